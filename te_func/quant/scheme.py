@@ -1,0 +1,105 @@
+"""How each recipe scales each tensor role: one `Scheme` per (recipe, role).
+
+The four recipes differ only in the fields of a Scheme; `quantize` has one
+code path for all of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..recipe import (ROLES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                      MXFP8BlockScaling)
+
+__all__ = ["Scheme", "scheme_for", "scale_from_amax", "e8m0_scale_inv", "round_down_pow2"]
+
+
+@dataclass(frozen=True)
+class Scheme:
+    dtype: torch.dtype            # float8_e4m3fn or float8_e5m2
+    fp8_max: float
+    # None: one scale for the whole tensor. Else (rows, cols) of a block of the
+    # 2-D tensor; (1, 32) MXFP8, (1, 128) or (128, 128) Float8BlockScaling.
+    block: tuple[int, int] | None
+    rule: str                     # "current", "delayed" or "e8m0"
+    amax_epsilon: float = 0.0
+    power_2_scale: bool = False
+    margin: int = 0
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.float8_e8m0fnu if self.rule == "e8m0" else torch.float32
+
+    @property
+    def transposable(self) -> bool:
+        """True when the cast of x.T is the transpose of the cast of x (same blocks)."""
+        return self.block is None or self.block[0] == self.block[1]
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.block is None:
+            return ()
+        rows, cols = shape
+        return (-(-rows // self.block[0]), -(-cols // self.block[1]))
+
+
+def scheme_for(recipe, role: str) -> Scheme:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    fmt = recipe.fp8_format
+    dtype, fp8_max = fmt.dtype(role), fmt.max(role)
+    if isinstance(recipe, Float8CurrentScaling):
+        qp = recipe.qparams(role)
+        return Scheme(dtype, fp8_max, None, "current", qp.amax_epsilon, qp.power_2_scale)
+    if isinstance(recipe, DelayedScaling):
+        return Scheme(dtype, fp8_max, None, "delayed", margin=recipe.margin)
+    if isinstance(recipe, MXFP8BlockScaling):
+        return Scheme(dtype, fp8_max, (1, 32), "e8m0")
+    if isinstance(recipe, Float8BlockScaling):
+        qp = recipe.qparams(role)
+        block = (1, 128) if recipe.block_dim(role) == 1 else (128, 128)
+        return Scheme(dtype, fp8_max, block, "current", qp.amax_epsilon, qp.power_2_scale)
+    raise TypeError(f"not a te_func recipe: {recipe!r} (use te_func.recipe.DelayedScaling, "
+                    f"Float8CurrentScaling, MXFP8BlockScaling or Float8BlockScaling, or None)")
+
+
+def round_down_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """Largest power of 2 <= scale (positive normal fp32), by clearing the mantissa bits.
+
+    Bit arithmetic, not exp2(floor(log2)), because log2 may round up to the
+    next integer just below a power of 2.
+    """
+    bits = scale.view(torch.int32) & -(1 << 23)  # keep sign and exponent
+    return bits.view(torch.float32)
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_max: float, amax_epsilon: float = 0.0,
+                    power_2_scale: bool = False) -> torch.Tensor:
+    """Current scaling: scale = fp8_max / max(amax, eps); 1 where amax is 0, inf or NaN.
+
+    A finite amax so small that the quotient overflows gets the largest finite
+    fp32 scale rather than inf, so that the cast stays finite.
+    """
+    amax = amax.float()
+    if amax_epsilon > 0:
+        amax = torch.clamp(amax, min=amax_epsilon)
+    scale = fp8_max / amax
+    scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
+    bad = (amax == 0) | ~torch.isfinite(amax)
+    scale = torch.where(bad, 1.0, scale)
+    return round_down_pow2(scale) if power_2_scale else scale
+
+
+def e8m0_scale_inv(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
+    """MXFP8: the smallest power of 2 >= fl(amax * fl(1/fp8_max)), as float8_e8m0fnu.
+
+    Saturates to [2**-127, 2**127]; an amax of 0 gives 2**-127, NaN gives NaN.
+    Computed on the fp32 bits so that it is exact.
+    """
+    ratio = amax.float() * torch.tensor(1.0 / fp8_max, dtype=torch.float32)
+    bits = ratio.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF                  # biased; 0 for zero and denormals
+    round_up = (bits & 0x7FFFFF) != 0               # not already a power of 2
+    biased = torch.clamp(exponent + round_up.to(torch.int32), 0, 254)
+    biased = torch.where(torch.isnan(ratio), 255, biased)  # 0xFF encodes NaN in E8M0
+    return biased.to(torch.uint8).view(torch.float8_e8m0fnu)
