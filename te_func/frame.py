@@ -13,19 +13,19 @@ from torch import nn
 
 from .nn import TEModule
 from .nn.context import Frame, push
+from .quant import GRAD_HISTORY
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
-__all__ = ["init_workspaces", "functional_call", "autocast", "grad", "value_and_grad", "recipe_key"]
+__all__ = ["init_workspaces", "functional_call", "autocast", "grad", "value_and_grad", "recipe_key",
+           "backward_state_keys", "merge_backward_state"]
 
 _RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling)
 _RECIPE_PREFIX = "te_func.recipe="
 
 
-@torch.compiler.assume_constant_result
 def recipe_key(recipe) -> str:
     """The workspace entry whose name records the recipe the workspace was made for."""
-    # A constant for torch.compile: dataclass repr is not traceable.
-    return _RECIPE_PREFIX + repr(recipe)
+    return _RECIPE_PREFIX + ("None" if recipe is None else recipe._name)
 
 
 def _check_recipe(recipe):
@@ -61,26 +61,33 @@ def _validate(model, ws, recipe):
     if not isinstance(ws, dict):
         raise TypeError(f"workspaces must be the dict from tef.init_workspaces(model, recipe), got {type(ws).__name__}")
     key = recipe_key(recipe)
-    if key not in ws:
-        made_for = [k[len(_RECIPE_PREFIX):] for k in ws if k.startswith(_RECIPE_PREFIX)]
-        raise ValueError(f"these workspaces were made for recipe {made_for[0] if made_for else '(unknown)'} "
-                         f"but the call uses {key[len(_RECIPE_PREFIX):]}; make them with "
-                         f"tef.init_workspaces(model, recipe) for the recipe you run with")
-    owners, expected = {}, {key}
+    owners, expected, problems = {}, {key}, []
     for path, m in _te_modules(model):
         spec = m.workspace_spec(recipe)
         owners[id(m)] = (path, tuple(spec))
         for name, (shape, dtype) in spec.items():
-            key = _prefix(path) + name
-            expected.add(key)
-            t = ws.get(key)
+            entry = _prefix(path) + name
+            expected.add(entry)
+            t = ws.get(entry)
             if t is None:
-                raise KeyError(f"workspace entry {key!r} is missing: these workspaces were not made for this "
-                               f"model (tef.init_workspaces(model, recipe) makes the right ones)")
-            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                raise ValueError(f"workspace entry {key!r} has shape {tuple(t.shape)} and dtype {t.dtype}, but "
-                                 f"{type(m).__name__} at {path or '(root)'!r} needs {tuple(shape)} {dtype}: these "
-                                 f"workspaces belong to another model or recipe")
+                problems.append((KeyError, f"workspace entry {entry!r} is missing: these workspaces were not "
+                                           f"made for this model (tef.init_workspaces(model, recipe) makes the "
+                                           f"right ones)"))
+            elif tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                problems.append((ValueError, f"workspace entry {entry!r} has shape {tuple(t.shape)} and dtype "
+                                             f"{t.dtype}, but {type(m).__name__} at {path or '(root)'!r} needs "
+                                             f"{tuple(shape)} {dtype}: these workspaces belong to another model "
+                                             f"or recipe"))
+    if key not in ws:
+        made_for = [k[len(_RECIPE_PREFIX):] for k in ws if k.startswith(_RECIPE_PREFIX)]
+        shapes = [msg for cls, msg in problems if cls is ValueError]
+        raise ValueError(f"these workspaces were made for recipe {made_for[0] if made_for else '(unknown)'} "
+                         f"but the call uses {key[len(_RECIPE_PREFIX):]}; make them with "
+                         f"tef.init_workspaces(model, recipe) for the recipe you run with"
+                         + (f" ({shapes[0]})" if shapes else ""))
+    if problems:
+        cls, msg = problems[0]
+        raise cls(msg)
     extra = sorted(set(ws) - expected)
     if extra:
         raise KeyError(f"workspace entries {extra[:5]} belong to no te_func layer of this model: these "
@@ -124,22 +131,62 @@ def _split_aux(out, fn_name):
     return out
 
 
+def backward_state_keys(ws: dict) -> list[str]:
+    """The entries backward updates: DelayedScaling's grad-role amax histories."""
+    return [k for k in ws if k.endswith(GRAD_HISTORY)]
+
+
+def merge_backward_state(new_ws: dict, state_grads: dict) -> dict:
+    """new_ws with each grad history combined with its "gradient" by elementwise max.
+
+    That gradient is the history with the backward amax recorded in slot 0,
+    so max merges it, also across microbatches; a sum would add amaxes.
+    """
+    return {**new_ws, **{k: torch.maximum(new_ws[k], g) for k, g in state_grads.items()}}
+
+
+def _grad_and_value(fn, argnums, fn_name, args, kwargs):
+    """torch.func.grad_and_value of fn(params, ws, ...) -> (loss, new_ws) w.r.t. `argnums`
+    and the grad histories in ws. Returns (grads, loss, new_ws), the backward-time
+    state merged into new_ws."""
+    if len(args) < 2 or not isinstance(args[1], dict):
+        raise TypeError(f"{fn_name}: call it as f(params, ws, ...), ws being the workspace dict from "
+                        f"tef.init_workspaces; got {len(args)} positional argument(s)")
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if 1 in nums:
+        raise ValueError(f"{fn_name}: argnums must not include 1 (the workspaces): they are state, not "
+                         f"parameters; their backward-time updates come back in new_ws")
+    state = {k: args[1][k] for k in backward_state_keys(args[1])}
+
+    def with_state(*a, **k):
+        # Not `*user, st = a`: dynamo in torch 2.11 traces that starred target as a tuple and
+        # then breaks the graph at the item assignment below.
+        user, st = list(a[:-1]), a[-1]
+        user[1] = {**user[1], **st}   # the histories as separate inputs, so that they get gradients
+        return _split_aux(fn(*user, **k), fn_name)
+
+    grads, (loss, new_ws) = torch.func.grad_and_value(with_state, argnums=nums + (len(args),), has_aux=True)(
+        *args, state, **kwargs)
+    *grads, state_grads = grads
+    grads = grads[0] if isinstance(argnums, int) else tuple(grads)
+    return grads, loss, merge_backward_state(new_ws, state_grads)
+
+
 def grad(fn, argnums=0):
     """`torch.func.grad` for a `fn(params, ws, ...) -> (loss, new_ws)`.
 
-    Returns a function giving `(grads, new_ws)`.
+    Returns a function giving `(grads, new_ws)`; under DelayedScaling new_ws
+    also holds the grad-role amax histories recorded in backward.
     """
     def wrapped(*args, **kwargs):
-        return torch.func.grad(lambda *a, **k: _split_aux(fn(*a, **k), "tef.grad"),
-                               argnums=argnums, has_aux=True)(*args, **kwargs)
+        grads, _, new_ws = _grad_and_value(fn, argnums, "tef.grad", args, kwargs)
+        return grads, new_ws
     return wrapped
 
 
 def value_and_grad(fn, argnums=0):
     """Like `grad`, returning `(loss, grads, new_ws)`."""
     def wrapped(*args, **kwargs):
-        grads, (loss, new_ws) = torch.func.grad_and_value(
-            lambda *a, **k: _split_aux(fn(*a, **k), "tef.value_and_grad"),
-            argnums=argnums, has_aux=True)(*args, **kwargs)
+        grads, loss, new_ws = _grad_and_value(fn, argnums, "tef.value_and_grad", args, kwargs)
         return loss, grads, new_ws
     return wrapped

@@ -19,6 +19,13 @@ __all__ = ["Format", "QParams", "DelayedScaling", "Float8CurrentScaling",
 ROLES = ("input", "weight", "grad")
 
 
+def _remember_name(recipe) -> None:
+    # The recipe's repr names the workspaces made for it (see te_func.frame).
+    # Computed once here: torch.compile cannot trace a dataclass repr, but
+    # reads a string attribute of a constant recipe as a constant.
+    object.__setattr__(recipe, "_name", repr(recipe))
+
+
 class Format(enum.Enum):
     """Which FP8 type each pass uses. HYBRID: E4M3 forward, E5M2 for gradients."""
     E4M3 = "E4M3"
@@ -69,6 +76,7 @@ class DelayedScaling:
             raise ValueError(f"DelayedScaling.amax_history_len must be >= 1, got {self.amax_history_len}")
         if not isinstance(self.fp8_format, Format):
             raise TypeError(f"fp8_format must be a te_func.recipe.Format, got {self.fp8_format!r}")
+        _remember_name(self)
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,9 @@ class Float8CurrentScaling:
     fp8_quant_fwd_weight: QParams = field(default_factory=QParams)
     fp8_quant_bwd_grad: QParams = field(default_factory=QParams)
 
+    def __post_init__(self):
+        _remember_name(self)
+
     def qparams(self, role: str) -> QParams:
         return {"input": self.fp8_quant_fwd_inp, "weight": self.fp8_quant_fwd_weight,
                 "grad": self.fp8_quant_bwd_grad}[role]
@@ -88,6 +99,9 @@ class Float8CurrentScaling:
 class MXFP8BlockScaling:
     """Blocks of 32 along the reduction dimension, each with a power-of-2 E8M0 scale."""
     fp8_format: Format = Format.E4M3
+
+    def __post_init__(self):
+        _remember_name(self)
 
 
 @dataclass(frozen=True)
@@ -108,6 +122,7 @@ class Float8BlockScaling:
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"Float8BlockScaling.{name} must be 1 (1x128) or 2 (128x128)")
+        _remember_name(self)
 
     def qparams(self, role: str) -> QParams:
         return {"input": self.fp8_quant_fwd_inp, "weight": self.fp8_quant_fwd_weight,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .frame import functional_call, init_workspaces, recipe_key
+from .frame import _validate, backward_state_keys, functional_call, init_workspaces
 
 __all__ = ["Stateful"]
 
@@ -22,6 +22,9 @@ class Stateful(nn.Module):
     `shell.parameters()` are the model's; `shell.workspaces` is the current
     workspace dict; `state_dict()` holds both (workspace entries under
     `workspaces.`), and `load_state_dict` restores both.
+
+    Under DelayedScaling, backward (`loss.backward()`) records the grad-output
+    amaxes into `shell.workspaces`, merged by max across the microbatches of a step.
     """
 
     def __init__(self, model: nn.Module, recipe):
@@ -29,16 +32,46 @@ class Stateful(nn.Module):
         self.model = model
         self.recipe = recipe
         self.workspaces = init_workspaces(model, recipe)
+        self._make_grad_sinks()
+
+    def _make_grad_sinks(self):
+        self._grad_sinks = self._new_grad_sinks()
+
+    def _new_grad_sinks(self) -> dict:
+        # One zero leaf per grad history, added to the entry a forward reads:
+        # its value is unchanged, and the history's "gradient" (the history with
+        # the backward amax recorded) lands in the leaf's .grad, which the hook
+        # merges into self.workspaces by max. The leaves live in a plain dict,
+        # not as parameters or buffers, so no optimizer or state_dict sees them.
+        sinks = {}
+        for key in backward_state_keys(self.workspaces):
+            sink = torch.zeros_like(self.workspaces[key]).requires_grad_()
+            sink.register_post_accumulate_grad_hook(lambda t, key=key: self._absorb(key, t))
+            sinks[key] = sink
+        return sinks
+
+    def _absorb(self, key: str, sink: torch.Tensor):
+        self.workspaces = {**self.workspaces, key: torch.maximum(self.workspaces[key], sink.grad)}
+        sink.grad = None
 
     def forward(self, *args, is_first_microbatch: bool | None = None, **kwargs):
         params = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        out, self.workspaces = functional_call(self.model, params, self.workspaces, args, kwargs,
-                                               recipe=self.recipe, is_first_microbatch=is_first_microbatch)
+        ws = self.workspaces
+        if torch.is_grad_enabled() and self._grad_sinks:
+            # Eager: fresh leaves per call, so microbatches may run their backwards in any
+            # order (autograd would sum two uses of one leaf). Compiled: the leaves made
+            # outside the graph, so each microbatch's backward must precede the next forward.
+            sinks = self._grad_sinks if torch.compiler.is_compiling() else self._new_grad_sinks()
+            ws = {**ws, **{k: ws[k] + sink for k, sink in sinks.items()}}
+        out, new_ws = functional_call(self.model, params, ws, args, kwargs,
+                                      recipe=self.recipe, is_first_microbatch=is_first_microbatch)
+        self.workspaces = {**new_ws, **{k: new_ws[k].detach() for k in self._grad_sinks}}
         return out
 
     def reset_workspaces(self):
         """Fresh workspaces from the current weights (e.g. after loading new weights)."""
         self.workspaces = init_workspaces(self.model, self.recipe)
+        self._make_grad_sinks()
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         sd = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
@@ -49,14 +82,15 @@ class Stateful(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         ws = {k[len(_WS):]: v for k, v in state_dict.items() if k.startswith(_WS)}
         rest = {k: v for k, v in state_dict.items() if not k.startswith(_WS)}
-        if recipe_key(self.recipe) not in ws:
-            made_for = [k for k in ws if k.startswith("te_func.recipe=")]
-            raise ValueError(f"Stateful.load_state_dict: the checkpoint's workspaces were made for "
-                             f"{made_for[0][len('te_func.recipe='):] if made_for else '(none saved)'}, this "
-                             f"shell runs recipe={self.recipe!r}")
+        try:   # a clear error naming the recipe, or the missing or misshapen entry
+            _validate(self.model, ws, self.recipe)
+        except (KeyError, ValueError) as e:
+            raise type(e)(f"Stateful.load_state_dict: the checkpoint does not fit this shell "
+                          f"(recipe={self.recipe!r}): {e.args[0]}") from None
         result = super().load_state_dict(rest, strict=strict, assign=assign)
         device = next(self.model.parameters(), torch.empty(0)).device
         self.workspaces = {k: v.to(device) for k, v in ws.items()}
+        self._make_grad_sinks()
         return result
 
     def extra_repr(self) -> str:

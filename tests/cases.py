@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 import te_func as tef
-from te_func.recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from te_func.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 # (id, recipe). None is high precision.
 RECIPES = [
@@ -19,6 +19,7 @@ RECIPES = [
     ("current", Float8CurrentScaling()),
     ("mxfp8", MXFP8BlockScaling()),
     ("block", Float8BlockScaling()),
+    ("delayed", DelayedScaling(amax_history_len=4)),
 ]
 
 
@@ -35,12 +36,50 @@ class LayerCase:
     inputs: Callable[[int, torch.dtype], tuple]
     output: Callable = lambda out: out
     kwargs: dict = field(default_factory=dict)
+    # Whether the per-sample vmap column applies: vmap over dim 0 of the first
+    # input, the other inputs shared (False for inputs like GroupedLinear's m_splits).
+    per_sample: bool = True
+    # Whether the layer runs under DelayedScaling; False skips the matrix's delayed column.
+    delayed: bool = True
 
 
 def _tokens(features):
     return lambda batch, dtype: (torch.randn(batch, 8, features, dtype=dtype),)
 
 
+def _grouped_inputs(batch, dtype):
+    # Tokens of the whole batch split over 3 GEMMs, one of them empty; a list for
+    # torch.compile, which cannot trace FP8 over a tensor's data-dependent sizes.
+    return (torch.randn(batch, 8, 64, dtype=dtype), [3 * batch, 0, 5 * batch])
+
+
 LAYERS = [
     LayerCase("Linear", lambda dt: tef.nn.Linear(64, 48, params_dtype=dt), _tokens(64)),
+    LayerCase("LayerNorm", lambda dt: tef.nn.LayerNorm(64, params_dtype=dt), _tokens(64)),
+    LayerCase("RMSNorm", lambda dt: tef.nn.RMSNorm(64, zero_centered_gamma=True, params_dtype=dt), _tokens(64)),
+    LayerCase("LayerNormLinear", lambda dt: tef.nn.LayerNormLinear(64, 48, params_dtype=dt), _tokens(64)),
+    LayerCase("LayerNormMLP-gelu", lambda dt: tef.nn.LayerNormMLP(64, 96, params_dtype=dt), _tokens(64)),
+    LayerCase("LayerNormMLP-swiglu", lambda dt: tef.nn.LayerNormMLP(64, 96, normalization="RMSNorm",
+                                                                    activation="swiglu", params_dtype=dt),
+              _tokens(64)),
+    LayerCase("GroupedLinear", lambda dt: tef.nn.GroupedLinear(3, 64, 48, params_dtype=dt), _grouped_inputs,
+              per_sample=False),
 ]
+
+
+def needs_state(recipe) -> bool:
+    """Whether `recipe` keeps state between steps, so it cannot run under tef.autocast."""
+    return isinstance(recipe, DelayedScaling)
+
+
+def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 20 log10(||ref|| / ||out - ref||), in float64."""
+    ref, out = ref.double(), out.double()
+    if torch.equal(ref, out):
+        return float("inf")     # also an all-zero gradient (an empty group) computed exactly
+    return (20 * torch.log10(ref.norm() / (out - ref).norm())).item()
+
+
+def detached_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What tef.functional_call / tef.grad take as `params`."""
+    return {k: v.detach() for k, v in model.named_parameters()}

@@ -59,9 +59,14 @@ def bind(module, layer: str, is_first_microbatch: bool | None):
                            f"submodule of that model")
     path, names = owner
     prefix = f"{path}." if path else ""
-    # A module called twice in one frame sees what its first call wrote.
+    # A module called again in the same frame (a shared layer) sees what its
+    # first call wrote and runs as a later microbatch of the same step: its
+    # weight cast is reused and DelayedScaling does not start another step.
+    again = any(prefix + n in frame.updates for n in names)
     local = {n: frame.updates.get(prefix + n, frame.workspaces[prefix + n]) for n in names}
     ifm = is_first_microbatch if is_first_microbatch is not None else frame.is_first_microbatch
+    if again:
+        ifm = False
 
     def commit(new_workspace: dict):
         frame.updates.update({prefix + k: v for k, v in new_workspace.items()})

@@ -31,6 +31,12 @@ def make_param(shape, dtype, device, init=None) -> nn.Parameter:
     if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise TypeError(f"params_dtype must be float32, bfloat16 or float16 (float64 for high-precision "
                         f"references), got {dtype}")
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda" and not torch.cuda.is_available():
+        # torch's own error here is a bare "Torch not compiled with CUDA enabled" assertion.
+        raise RuntimeError(f"device={str(device)!r} was asked for, but torch.cuda.is_available() is False "
+                           f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}); "
+                           f"use device='cpu' or install a CUDA build of torch on a machine with a GPU")
     t = torch.empty(shape, dtype=dtype, device=device)
     with torch.no_grad():
         init(t) if init is not None else t.zero_()

@@ -15,7 +15,7 @@ import torch
 from ..gemm import gemm
 from ..quant import DelayedState, Quantized, Scheme, quantize_scheme, quantize_with_transpose
 
-__all__ = ["GemmConfig", "forward_gemm", "backward_gemm"]
+__all__ = ["GemmConfig", "forward_gemm", "backward_gemm", "delayed_state", "grad_history_gradient"]
 
 
 @dataclass(frozen=True)
@@ -58,3 +58,24 @@ def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized
     dx = None if w_t is None else gemm(gq, w_t, x_dtype, fast_accum=False)
     dw = None if xq_t is None else gemm(gq_t, xq_t, w_dtype, fast_accum=False)
     return dx, dw, new_state
+
+
+# DelayedScaling through an autograd Function. A Function takes tensors, so a
+# GEMM layer's Function takes, per GEMM, five optional tensors (None for the
+# stateless recipes): x_history, x_scale (the input role's state), g_sink,
+# g_history, g_scale (the grad role's). The states arrive already updated for
+# the step (te_func.functional._common.step_states); forward returns the input
+# history with this call's amax recorded as a non-differentiable output, and
+# backward returns the grad history with the grad-output amax recorded as the
+# "gradient" of g_sink, the raw workspace entry: tef.grad and tef.Stateful
+# collect it from there ("overwrite with gradient", as Flax and TE-JAX do).
+
+
+def delayed_state(history: torch.Tensor | None, scale: torch.Tensor | None) -> DelayedState | None:
+    """The (amax history (L,), scale ()) pair a Function received, or None without state."""
+    return None if history is None else DelayedState(history, scale)
+
+
+def grad_history_gradient(new_g_state: DelayedState | None, wanted: bool) -> torch.Tensor | None:
+    """What backward returns for g_sink: the recorded grad history (L,), or None."""
+    return new_g_state.amax_history if wanted and new_g_state is not None else None

@@ -27,6 +27,15 @@ class Scheme:
     power_2_scale: bool = False
     margin: int = 0
 
+    def __post_init__(self):
+        # Names the scheme in workspace entry names (te_func.quant.weight.made_by).
+        # Computed once here: torch.compile reads a string attribute of a constant
+        # as a constant, but cannot trace str() of a dtype or a dataclass repr.
+        block = "tensor" if self.block is None else "x".join(map(str, self.block))
+        object.__setattr__(self, "_name", f"{str(self.dtype).removeprefix('torch.')}/{block}/{self.rule}"
+                                          f"/eps={self.amax_epsilon!r}/pow2={int(self.power_2_scale)}"
+                                          f"/margin={self.margin}")
+
     @property
     def scale_dtype(self) -> torch.dtype:
         return torch.float8_e8m0fnu if self.rule == "e8m0" else torch.float32
@@ -83,7 +92,9 @@ def scale_from_amax(amax: torch.Tensor, fp8_max: float, amax_epsilon: float = 0.
     amax = amax.float()
     if amax_epsilon > 0:
         amax = torch.clamp(amax, min=amax_epsilon)
-    scale = fp8_max / amax
+    # One correctly rounded fp32 division, as TE: `python_float / tensor` would
+    # compute reciprocal(amax) * fp8_max, rounding twice.
+    scale = torch.full_like(amax, fp8_max) / amax
     scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
     bad = (amax == 0) | ~torch.isfinite(amax)
     scale = torch.where(bad, 1.0, scale)
@@ -99,7 +110,10 @@ def e8m0_scale_inv(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
     ratio = amax.float() * torch.tensor(1.0 / fp8_max, dtype=torch.float32)
     bits = ratio.view(torch.int32)
     exponent = (bits >> 23) & 0xFF                  # biased; 0 for zero and denormals
-    round_up = (bits & 0x7FFFFF) != 0               # not already a power of 2
+    mantissa = bits & 0x7FFFFF
+    # Round up unless already a power of 2; a denormal ratio <= 2**-127 (mantissa
+    # at most half the denormal range) is already covered by 2**-127.
+    round_up = (mantissa != 0) & ~((exponent == 0) & (mantissa <= 0x400000))
     biased = torch.clamp(exponent + round_up.to(torch.int32), 0, 254)
     biased = torch.where(torch.isnan(ratio), 255, biased)  # 0xFF encodes NaN in E8M0
     return biased.to(torch.uint8).view(torch.float8_e8m0fnu)

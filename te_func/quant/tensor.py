@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
+from ..kernels import tensorwise_cast
 from .scheme import Scheme, e8m0_scale_inv, scale_from_amax, scheme_for
 
 __all__ = ["Quantized", "DelayedState", "quantize", "quantize_with_transpose",
@@ -69,21 +70,41 @@ def _expand(per_block: torch.Tensor, block: tuple[int, int], shape) -> torch.Ten
     return per_block.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
 
 
+def _record_amax(state: DelayedState, amax: torch.Tensor) -> DelayedState:
+    """`state` with amax () recorded in the current step's history slot."""
+    history = state.amax_history
+    # Several casts in one step (microbatches) share one slot: keep the largest.
+    return DelayedState(torch.cat([torch.maximum(history[:1], amax.reshape(1)), history[1:]]), state.scale)
+
+
+def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | None, with_transpose: bool):
+    """A tensor-wise cast by te_func.kernels (eager CUDA; bit-identical to the torch code
+    below): (q, q of x.T or None, new_state), or None where the kernels do not apply."""
+    if s.rule == "delayed" and state is None:
+        return None
+    out = tensorwise_cast(x, s.dtype, s.fp8_max, s.amax_epsilon, s.power_2_scale,
+                          state.scale if s.rule == "delayed" else None, with_transpose)
+    if out is None:
+        return None
+    data, data_t, scale_inv, amax = out
+    q_t = None if data_t is None else Quantized(data_t, scale_inv)
+    return Quantized(data, scale_inv), q_t, _record_amax(state, amax) if s.rule == "delayed" else None
+
+
 def quantize_scheme(x: torch.Tensor, s: Scheme, state: DelayedState | None = None):
     """Quantize `x` by scheme `s`. Returns (Quantized, new_state); new_state is None
     unless the scheme is delayed, then `state` with this tensor's amax recorded."""
     if s.block is None:
+        if s.rule == "delayed" and state is None:
+            raise ValueError("DelayedScaling needs its state (amax history and scale): call the "
+                             "layer through tef.functional_call / tef.Stateful with workspaces "
+                             "from tef.init_workspaces(model, recipe)")
+        fused = _fused_cast(x, s, state, with_transpose=False)
+        if fused is not None:
+            return fused[0], fused[2]
         amax = torch.amax(torch.abs(x)).float() if x.numel() else torch.zeros((), device=x.device)
         if s.rule == "delayed":
-            if state is None:
-                raise ValueError("DelayedScaling needs its state (amax history and scale): call the "
-                                 "layer through tef.functional_call / tef.Stateful with workspaces "
-                                 "from tef.init_workspaces(model, recipe)")
-            scale = state.scale
-            history = state.amax_history
-            # Several casts in one step (microbatches) share one slot: keep the largest.
-            new_state = DelayedState(torch.cat([torch.maximum(history[:1], amax.reshape(1)), history[1:]]),
-                                     state.scale)
+            scale, new_state = state.scale, _record_amax(state, amax)
         else:
             scale, new_state = scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale), None
         return Quantized(_cast(x, scale, s), torch.reciprocal(scale)), new_state
@@ -120,6 +141,9 @@ def transpose(q: Quantized) -> Quantized:
 def quantize_with_transpose(x: torch.Tensor, s: Scheme, state: DelayedState | None = None):
     """Both copies a GEMM layer needs of a 2-D `x`: blocks along its rows and along its
     columns. Returns (q, q_t, new_state), q_t being the cast of x.T."""
+    fused = _fused_cast(x, s, state, with_transpose=True) if s.block is None else None
+    if fused is not None:     # one pass writes both copies
+        return fused
     q, new_state = quantize_scheme(x, s, state)
     if s.transposable:
         return q, transpose(q), new_state

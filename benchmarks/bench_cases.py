@@ -1,0 +1,248 @@
+"""What `benchmarks/run.py` measures: workloads x variants, each built into a no-argument step.
+
+A variant is one implementation of the same block: plain torch layers, te_func
+with a recipe (None = bf16), or torchao float8. A workload is a shape and what
+one timed call does (forward+backward, an 8-microbatch training step, forward
+only). `build(case, ...)` returns a `Step`: the callable to time, the FLOPs it
+does, and the bytes it keeps resident (parameters, workspaces, inputs).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+import te_func as tef
+from te_func.quant import Quantizer, quantize_weight
+from te_func.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+
+DTYPE = torch.bfloat16
+
+TE_RECIPES = {"te-bf16": None, "te-current": Float8CurrentScaling(), "te-delayed": DelayedScaling(),
+              "te-mxfp8": MXFP8BlockScaling(), "te-block": Float8BlockScaling()}
+AO_RECIPES = {"ao-tensorwise": "tensorwise", "ao-rowwise": "rowwise"}
+VARIANTS = ["torch-bf16", *TE_RECIPES, *AO_RECIPES]
+BASELINE = "torch-bf16"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """`kind`: "mlp" / "linear" (forward+backward), "train8_cache" / "train8_nocache"
+    (8 microbatches of forward+backward, weight casts cached or not), "infer" (no_grad forward),
+    "cast" (te_func only: both FP8 layouts of the MLP's two weights, as one step without cache does);
+    `compiled` False runs it eagerly. shape: (tokens, hidden, ffn) or (tokens, in, out)."""
+    name: str
+    kind: str
+    shape: tuple[int, int, int]
+    compiled: bool = True
+
+    @property
+    def gemm_flops(self) -> float:
+        """Forward GEMM FLOPs of one call; backward counts twice that."""
+        t, h, f = self.shape
+        fwd = 2 * t * h * f * (1 if self.kind == "linear" else 2)
+        if self.kind == "cast":
+            return 0.0
+        if self.kind == "infer":
+            return fwd
+        return 3 * fwd * (8 if self.kind.startswith("train8") else 1)
+
+
+def workloads(quick: bool) -> list[Workload]:
+    big = [(64, 32, 64)] if quick else [(16384, 4096, 14336), (8192, 8192, 28672)]
+    small = [(32, 16, 32)] if quick else [(4096, 2048, 8192), (16384, 1024, 4096)]
+    lin = (64, 64, 64) if quick else (8192, 8192, 8192)
+    w = [Workload(f"mlp_{'x'.join(map(str, s))}", "mlp", s) for s in big + small]
+    w.append(Workload(f"linear_{'x'.join(map(str, lin))}", "linear", lin))
+    w += [Workload(f"train8_cache_{'x'.join(map(str, big[0]))}", "train8_cache", big[0]),
+          Workload(f"train8_nocache_{'x'.join(map(str, big[0]))}", "train8_nocache", big[0])]
+    w += [Workload(f"infer_{'x'.join(map(str, s))}", "infer", s) for s in big]
+    w.append(Workload(f"weight_cast_{'x'.join(map(str, big[0]))}", "cast", big[0]))
+    w += [Workload(f"eager_mlp_{'x'.join(map(str, s))}", "mlp", s, compiled=False) for s in big]
+    return w
+
+
+@dataclass
+class Step:
+    fn: Callable[[], object]
+    resident_bytes: int
+    note: str = ""
+    # Frees what a previous call left behind (.grad), so peak memory counts one call.
+    reset: Callable[[], None] = lambda: None
+
+
+class NotApplicable(Exception):
+    """The variant has nothing to measure on this workload (not an error)."""
+
+
+def _nbytes(*trees) -> int:
+    seen, total = set(), 0
+    for tree in trees:
+        for t in torch.utils._pytree.tree_leaves(tree):
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+class Inputs:
+    """Random inputs shared by the cases of one process (never zeros), made once per shape."""
+
+    def __init__(self, device):
+        self.device = device
+
+    @functools.lru_cache(maxsize=None)
+    def get(self, tokens: int, features: int, out_features: int, n: int = 1):
+        g = torch.Generator(device=self.device).manual_seed(tokens * 7 + features)
+        x = torch.randn(n, tokens, features, device=self.device, dtype=DTYPE, generator=g)
+        dy = torch.randn(n, tokens, out_features, device=self.device, dtype=DTYPE, generator=g)
+        return (x[0], dy[0]) if n == 1 else (x, dy)
+
+
+def _torch_block(w: Workload, device) -> nn.Module:
+    t, h, f = w.shape
+    if w.kind == "linear":
+        return nn.Linear(h, f, device=device, dtype=DTYPE)
+    return nn.Sequential(nn.LayerNorm(h, device=device, dtype=DTYPE), nn.Linear(h, f, device=device, dtype=DTYPE),
+                         nn.GELU(approximate="tanh"), nn.Linear(f, h, device=device, dtype=DTYPE))
+
+
+def _te_block(w: Workload, device) -> tuple[nn.Module, str]:
+    t, h, f = w.shape
+    if w.kind == "linear":
+        return tef.nn.Linear(h, f, params_dtype=DTYPE, device=device), ""
+    if hasattr(tef.nn, "LayerNormMLP"):
+        return tef.nn.LayerNormMLP(h, f, activation="gelu", params_dtype=DTYPE, device=device), \
+            "te_func.nn.LayerNormMLP"
+    return nn.Sequential(nn.LayerNorm(h, device=device, dtype=DTYPE), tef.nn.Linear(h, f, params_dtype=DTYPE, device=device),
+                         nn.GELU(approximate="tanh"), tef.nn.Linear(f, h, params_dtype=DTYPE, device=device)), \
+        "te_func.nn.LayerNormMLP missing: torch LayerNorm + tef.nn.Linear + GELU(tanh) + tef.nn.Linear"
+
+
+def _out_features(w: Workload) -> int:
+    return w.shape[2] if w.kind == "linear" else w.shape[1]
+
+
+def _compile(fn, w: Workload):
+    return torch.compile(fn, fullgraph=True) if w.compiled else fn
+
+
+# "tef": tef.value_and_grad; "torch.func": torch.func.grad_and_value (see bench_compat.py).
+GRAD_IMPL = {"grad": "tef"}
+
+
+def _value_and_grad(loss_fn, argnums=0):
+    if GRAD_IMPL["grad"] == "tef":
+        return tef.value_and_grad(loss_fn, argnums=argnums)
+    vg = torch.func.grad_and_value(loss_fn, argnums=argnums, has_aux=True)
+
+    def value_and_grad(*args):
+        grads, (loss, new_ws) = vg(*args)
+        return loss, grads, new_ws
+    return value_and_grad
+
+
+def build(variant: str, w: Workload, inputs: Inputs, compile_ok: bool) -> Step:
+    """The step of `variant` on workload `w`; raises what the variant raises when it cannot run."""
+    if not compile_ok:
+        w = Workload(w.name, w.kind, w.shape, compiled=False)
+    if w.kind == "cast" and (variant not in TE_RECIPES or TE_RECIPES[variant] is None):
+        raise NotApplicable("only te_func FP8 recipes cache a weight cast")
+    if variant in TE_RECIPES:
+        return _te_step(TE_RECIPES[variant], w, inputs)
+    if variant in AO_RECIPES:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        model = _torch_block(w, inputs.device)
+        # No module filter: every Linear in FP8, as te_func's layers do by default.
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(AO_RECIPES[variant]))
+        return _torch_step(model, w, inputs, "torchao " + AO_RECIPES[variant])
+    if variant == BASELINE:
+        return _torch_step(_torch_block(w, inputs.device), w, inputs, "")
+    raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+
+
+def _torch_step(model: nn.Module, w: Workload, inputs: Inputs, note: str) -> Step:
+    """Module forward (compiled with its loss) + .backward(); gradients set to None first."""
+    t, h, _ = w.shape
+    if w.kind == "infer":
+        x, _ = inputs.get(t, h, _out_features(w))
+        fwd = _compile(model, w)
+
+        def infer():
+            with torch.no_grad():
+                return fwd(x)
+        return Step(infer, _nbytes(list(model.parameters()), x), note)
+
+    loss_of = _compile(lambda x, dy: (model(x) * dy).float().sum(), w)
+    if w.kind.startswith("train8"):
+        xs, dys = inputs.get(t, h, _out_features(w), 8)
+
+        def train():
+            model.zero_grad(set_to_none=True)
+            for i in range(8):
+                loss_of(xs[i], dys[i]).backward()      # .grad accumulates across microbatches
+        return Step(train, _nbytes(list(model.parameters()), xs, dys), note,
+                    lambda: model.zero_grad(set_to_none=True))
+
+    x, dy = inputs.get(t, h, _out_features(w))
+    x = x.detach().requires_grad_(True)      # input gradient too: 3x the forward GEMM FLOPs
+
+    def reset():
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+
+    def fwd_bwd():
+        reset()
+        loss_of(x, dy).backward()
+    return Step(fwd_bwd, _nbytes(list(model.parameters()), x, dy), note, reset)
+
+
+def _te_step(recipe, w: Workload, inputs: Inputs) -> Step:
+    """te_func's functional step: tef.value_and_grad over tef.functional_call, compiled whole."""
+    t, h, _ = w.shape
+    model, note = _te_block(w, inputs.device)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ws = tef.init_workspaces(model, recipe)
+
+    def loss_fn(params, ws, x, dy, first):
+        out, new_ws = tef.functional_call(model, params, ws, (x,), recipe=recipe, is_first_microbatch=first)
+        return (out * dy).float().sum(), new_ws
+
+    if w.kind == "cast":
+        weights = [p for p in params.values() if p.dim() == 2]
+        quantizer = Quantizer(recipe)
+        cast = _compile(lambda ws_: [quantize_weight(wt, quantizer, None, True)[1] for wt in ws_], w)
+        return Step(lambda: cast(weights), _nbytes(weights), note)
+
+    if w.kind == "infer":
+        x, _ = inputs.get(t, h, _out_features(w))
+        fwd = _compile(lambda params, ws, x: tef.functional_call(model, params, ws, (x,), recipe=recipe,
+                                                                 is_first_microbatch=False)[0], w)
+
+        def infer():
+            with torch.no_grad():
+                return fwd(params, ws, x)
+        return Step(infer, _nbytes(params, ws, x), note)
+
+    if w.kind.startswith("train8"):
+        xs, dys = inputs.get(t, h, _out_features(w), 8)
+        cache = w.kind == "train8_cache"
+
+        def micro(params, ws, acc, x, dy, first):
+            _, grads, new_ws = _value_and_grad(loss_fn)(params, ws, x, dy, first)
+            return (grads if acc is None else {k: acc[k] + g for k, g in grads.items()}), new_ws
+        micro = _compile(micro, w)
+
+        def train():
+            acc, state = None, ws
+            for i in range(8):
+                acc, state = micro(params, state, acc, xs[i], dys[i], (i == 0) if cache else None)
+            return acc, state
+        return Step(train, _nbytes(params, ws, xs, dys), note)
+
+    x, dy = inputs.get(t, h, _out_features(w))
+    step = _compile(_value_and_grad(loss_fn, argnums=(0, 2)), w)
+    return Step(lambda: step(params, ws, x, dy, None), _nbytes(params, ws, x, dy), note)

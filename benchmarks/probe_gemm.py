@@ -1,0 +1,118 @@
+"""GPU facts the benchmark's analysis rests on: the two ceilings and what `_scaled_mm` accepts.
+
+    python3 benchmarks/probe_gemm.py [--out DIR]
+
+Measures the device-to-device copy bandwidth, bf16 and FP8 (tensor-wise)
+GEMM rates at 8192^3, whether torch's scaled GEMM takes Float8BlockScaling's
+1x128 / 128x128 block scales on this GPU (checked against te_func's exact
+emulation), and the time of te_func's compiled current-scaling cast of a
+(16384, 4096) activation against its byte floor. Writes probe.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from te_func.quant import dequantize, quantize_scheme, quantize_with_transpose, scheme_for  # noqa: E402
+from te_func.recipe import Float8BlockScaling, Float8CurrentScaling  # noqa: E402
+
+
+def bench_ms(fn, reps=20):
+    for _ in range(3):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in ev)
+
+
+def ceilings(res):
+    n = 8192
+    src = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    res["copy_TBps"] = round(2 * src.numel() * 2 / ms / 1e9, 2)
+    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    res["bf16_mm_TFLOPs"] = round(2 * n**3 / bench_ms(lambda: a @ b.t()) / 1e9, 1)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    for fast in (True, False):
+        ms = bench_ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                               use_fast_accum=fast))
+        res[f"fp8_mm_TFLOPs_fast_accum_{fast}"] = round(2 * n**3 / ms / 1e9, 1)
+
+
+def blockwise(res):
+    """Does the scaled GEMM take 1x128 x 128x128 (fprop/dgrad) and 1x128 x 1x128 (wgrad) block scales?"""
+    import torch.nn.functional as F
+    m, k, n = 1024, 2048, 768
+    r = Float8BlockScaling()
+    s_in, s_w = scheme_for(r, "input"), scheme_for(r, "weight")
+    x, w = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+    for name, sb in (("1x128_x_128x128", s_w), ("1x128_x_1x128", s_in)):
+        xq, _ = quantize_scheme(x, s_in)
+        wq, _ = quantize_scheme(w, sb)
+        ref = dequantize(xq) @ dequantize(wq).t()
+        rb = F.ScalingType.BlockWise128x128 if sb.block == (128, 128) else F.ScalingType.BlockWise1x128
+        # 1x128 scales must be outer-dim-major (column-major (rows, K/128)) for cuBLAS.
+        sa = xq.scale_inv.t().contiguous().t()
+        sbs = wq.scale_inv.t().contiguous().t() if sb.block == (1, 128) else wq.scale_inv
+        tries = {
+            "F.scaled_mm": lambda: F.scaled_mm(xq.data, wq.data.t(), sa, F.ScalingType.BlockWise1x128, sbs, rb,
+                                               output_dtype=torch.float32),
+            "F.scaled_mm_scale_b_t": lambda: F.scaled_mm(xq.data, wq.data.t(), sa, F.ScalingType.BlockWise1x128,
+                                                         sbs.t(), rb, output_dtype=torch.float32),
+            "_scaled_mm": lambda: torch._scaled_mm(xq.data, wq.data.t(), scale_a=sa, scale_b=sbs.t(),
+                                                   out_dtype=torch.float32),
+        }
+        for tname, fn in tries.items():
+            key = f"blockwise_{name}_{tname}"
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+                err = ((out - ref).norm() / ref.norm()).item()
+                res[key] = f"ok rel_err={err:.2e}"
+            except Exception as e:
+                res[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def quantize_cost(res):
+    x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
+    s = scheme_for(Float8CurrentScaling(), "input")
+    cast = torch.compile(lambda x: quantize_with_transpose(x, s, None)[:2], fullgraph=True)
+    ms = bench_ms(lambda: cast(x))
+    floor_bytes = x.numel() * (2 + 1 + 1)          # read bf16 once, write two FP8 layouts
+    res["current_cast_with_transpose_16384x4096_ms"] = round(ms, 4)
+    res["current_cast_floor_ms_at_copy_bw"] = round(floor_bytes / (res["copy_TBps"] * 1e12) * 1e3, 4)
+    cast1 = torch.compile(lambda x: quantize_scheme(x, s, None)[0], fullgraph=True)
+    res["current_cast_rowwise_only_16384x4096_ms"] = round(bench_ms(lambda: cast1(x)), 4)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args()
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for part in (ceilings, blockwise, quantize_cost):
+        try:
+            part(res)
+        except Exception as e:
+            res[part.__name__] = f"{type(e).__name__}: {str(e)[:300]}"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "probe.json").write_text(json.dumps(res, indent=1))
+    for k, v in res.items():
+        print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

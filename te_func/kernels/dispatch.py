@@ -1,0 +1,96 @@
+"""When the fused Triton cast runs instead of te_func.quant's torch code.
+
+The kernels run on CUDA, eagerly, on plain tensors. Everywhere else the torch
+path runs: on CPU; under torch.compile (inductor fuses the torch path itself,
+and the kernels are no traceable ops); under torch.func.vmap (the torch path
+takes one amax per sample); for other dtypes, empty or non-contiguous tensors.
+Results are bit-identical either way, so the choice never changes numerics.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch._C import _functorch
+
+__all__ = ["cast_kernels_available", "set_cast_kernels", "tensorwise_cast"]
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MAX_NUMEL = 2**31 - 2**24     # int32 indexing in the kernels
+# Off by default until verified on the GPU: set TE_FUNC_CAST_KERNELS=1 or call set_cast_kernels(True).
+_DEFAULT = "0"
+_enabled = os.environ.get("TE_FUNC_CAST_KERNELS", _DEFAULT) == "1"
+calls = {"fused": 0}           # how many casts the kernels made (tests check they ran)
+
+
+@functools.cache
+def _cast_module():
+    """te_func.kernels.cast, or None where Triton is missing or cannot import."""
+    try:
+        from . import cast
+    except Exception:   # no Triton (CPU CI), or a Triton without a usable backend
+        return None
+    return cast
+
+
+def cast_kernels_available() -> bool:
+    """Whether the fused casts can run here: Triton imports and a CUDA device is visible
+    (or Triton's interpreter is on, TRITON_INTERPRET=1)."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    return (interpret or torch.cuda.is_available()) and _cast_module() is not None
+
+
+def set_cast_kernels(enabled: bool) -> bool:
+    """Use the fused casts where they apply (True) or always the torch path (False).
+    Returns the previous setting. The environment variable TE_FUNC_CAST_KERNELS=1/0
+    sets the initial value."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    return previous
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor under torch.func.grad's wrappers, or None when it is batched (vmap),
+    fake (tracing) or a subclass. A cast is not differentiable, so dropping grad tracking
+    changes nothing; autograd Functions' backward receives such wrapped gradients."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        if not _functorch.is_gradtrackingtensor(t):
+            return None
+        t = _functorch.get_unwrapped(t)
+    return t if type(t) is torch.Tensor else None
+
+
+def _applies(x: torch.Tensor) -> bool:
+    return (_enabled and not torch.compiler.is_compiling() and x.dtype in _INPUT_DTYPES
+            and 0 < x.numel() < _MAX_NUMEL and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_epsilon: float,
+                    power_2_scale: bool, scale: torch.Tensor | None, with_transpose: bool):
+    """The tensor-wise FP8 cast of x by the fused kernels, or None where they do not apply.
+
+    x: any shape (2-D with `with_transpose`). `scale` (): delayed scaling's given scale;
+    None: current scaling (scale from amax, `amax_epsilon`, `power_2_scale`).
+    Returns (data (x.shape), data_t (cols, rows) or None, scale_inv (), amax ()),
+    amax meaningful only with `scale` given (current scaling keeps none).
+    """
+    if not _applies(x) or (with_transpose and x.dim() != 2):
+        return None
+    kernels = _cast_module()
+    if kernels is None:
+        return None
+    # Inside torch.func.grad every op would wrap its output again: the kernels' tensors
+    # are made with functorch's dispatch off, and mix with wrapped ones as constants.
+    with torch._C._DisableFuncTorch():
+        x_plain = _plain(x)
+        scale_plain = None if scale is None else _plain(scale)
+        if x_plain is None or not x_plain.is_contiguous() or (scale is not None and scale_plain is None):
+            return None
+        if scale_plain is not None:
+            scale_plain = scale_plain.float().contiguous()
+        data, data_t, scale_inv, bits = kernels.cast(x_plain.reshape(-1, x.shape[-1]) if x.dim() else
+                                                     x_plain.reshape(1, 1), dtype, fp8_max, amax_epsilon,
+                                                     power_2_scale, scale_plain, with_transpose)
+        calls["fused"] += 1
+        return data.reshape(x.shape), data_t, scale_inv, bits.view(torch.float32).reshape(())

@@ -1,0 +1,67 @@
+"""`te_func.nn.GroupedLinear`: TE's GroupedLinear as a parameter holder."""
+from __future__ import annotations
+
+import torch
+
+from .. import functional as F
+from ..functional.grouped_linear import gemm_state_names
+from .linear import delayed_state_entries, weight_cast_entries
+from .module import TEModule, make_param, te_init
+
+__all__ = ["GroupedLinear"]
+
+
+class GroupedLinear(TEModule):
+    """num_gemms Linear layers applied to consecutive groups of tokens (e.g. MoE experts).
+
+    Parameters as TE: `weight0..weight{n-1}` (out_features, in_features), `bias0..` (out_features,).
+    forward(inp (tokens, in_features), m_splits, *, is_first_microbatch=None) -> (tokens, out_features):
+    the first m_splits[0] tokens use weight0, the next m_splits[1] weight1, and so on. m_splits
+    is a list of ints or a 1-D integer tensor (read with `.tolist()`, see
+    `te_func.functional.grouped_linear.split_sizes`); zeros are allowed, the sum must be the
+    token count.
+    """
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
+                 params_dtype=None, device=None):
+        super().__init__()
+        if num_gemms <= 0 or in_features <= 0 or out_features <= 0:
+            raise ValueError(f"GroupedLinear: num_gemms, in_features and out_features must be positive, got "
+                             f"{num_gemms}, {in_features}, {out_features}")
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.use_bias = bias
+        for i in range(num_gemms):
+            self.register_parameter(f"weight{i}", make_param((out_features, in_features), params_dtype,
+                                                             device, te_init()))
+            self.register_parameter(f"bias{i}", make_param((out_features,), params_dtype, device)
+                                    if bias else None)
+
+    def _weights(self):
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def _biases(self):
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+
+    def _entries(self, recipe, spec):
+        entries = {}
+        for i, w in enumerate(self._weights()):
+            entries.update(weight_cast_entries(f"weight{i}", w, recipe, spec))
+            entries.update(delayed_state_entries(gemm_state_names(i), recipe, spec, device=w.device))
+        return entries
+
+    def workspace_spec(self, recipe):
+        return self._entries(recipe, spec=True)
+
+    def init_workspace(self, recipe):
+        return self._entries(recipe, spec=False)
+
+    def forward(self, inp: torch.Tensor, m_splits, *, is_first_microbatch: bool | None = None):
+        recipe, ws, ifm, commit = self._bind(is_first_microbatch)
+        out, new_ws = F.grouped_linear(inp, m_splits, self._weights(), self._biases(), recipe=recipe,
+                                       workspace=ws, is_first_microbatch=ifm)
+        commit(new_ws)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.use_bias}")

@@ -1,0 +1,73 @@
+"""`te_func.nn.LayerNormMLP`: TE's LayerNormMLP as a parameter holder."""
+from __future__ import annotations
+
+import torch
+
+from .. import functional as F
+from ..functional._common import state_names
+from ..ops.activations import check_activation, is_gated
+from ._fused import add_norm_params, te_outputs
+from .linear import delayed_state_entries, weight_cast_entries
+from .module import TEModule, make_param, te_init
+
+__all__ = ["LayerNormMLP"]
+
+
+class LayerNormMLP(TEModule):
+    """y = fc2(act(fc1(norm(x)))), the GEMMs in FP8 under a recipe.
+
+    Parameters as TE: `layer_norm_weight`, `layer_norm_bias` (hidden_size,; LayerNorm only),
+    `fc1_weight` (ffn_hidden_size, hidden_size), twice as tall for gated activations,
+    `fc1_bias` (fc1_weight's rows,), `fc2_weight` (hidden_size, ffn_hidden_size), `fc2_bias` (hidden_size,).
+    Activations: gelu (tanh approximation), geglu, qgelu, qgeglu, relu, reglu, srelu, sreglu,
+    silu, swiglu; gated ones compute act(first half of fc1) * second half.
+    forward(inp (..., hidden_size), *, is_first_microbatch=None) -> (..., hidden_size); tuples
+    as LayerNormLinear's with return_bias (fc2_bias) / return_layernorm_output.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True, *,
+                 normalization: str = "LayerNorm", activation: str = "gelu", zero_centered_gamma: bool = False,
+                 return_layernorm_output: bool = False, return_bias: bool = False, params_dtype=None,
+                 device=None):
+        super().__init__()
+        if hidden_size <= 0 or ffn_hidden_size <= 0:
+            raise ValueError(f"LayerNormMLP: hidden_size and ffn_hidden_size must be positive, got "
+                             f"{hidden_size}, {ffn_hidden_size}")
+        self.activation = check_activation(activation)
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.return_bias, self.return_layernorm_output = return_bias, return_layernorm_output
+        add_norm_params(self, "LayerNormMLP", hidden_size, eps, normalization, zero_centered_gamma,
+                        params_dtype, device)
+        fc1_width = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
+        self.fc1_weight = make_param((fc1_width, hidden_size), params_dtype, device, te_init())
+        self.fc1_bias = make_param((fc1_width,), params_dtype, device) if bias else None
+        self.fc2_weight = make_param((hidden_size, ffn_hidden_size), params_dtype, device, te_init())
+        self.fc2_bias = make_param((hidden_size,), params_dtype, device) if bias else None
+
+    def _entries(self, recipe, spec):
+        names = {**state_names("fc1_", "fc1_weight"), **state_names("fc2_", "fc2_weight")}
+        return {**weight_cast_entries("fc1_weight", self.fc1_weight, recipe, spec),
+                **weight_cast_entries("fc2_weight", self.fc2_weight, recipe, spec),
+                **delayed_state_entries(names, recipe, spec, device=self.fc1_weight.device)}
+
+    def workspace_spec(self, recipe):
+        return self._entries(recipe, spec=True)
+
+    def init_workspace(self, recipe):
+        return self._entries(recipe, spec=False)
+
+    def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None):
+        recipe, ws, ifm, commit = self._bind(is_first_microbatch)
+        out, new_ws = F.layernorm_mlp(
+            inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias,
+            self.fc2_weight, None if self.return_bias else self.fc2_bias, eps=self.eps,
+            normalization=self.normalization, activation=self.activation,
+            zero_centered_gamma=self.zero_centered_gamma, return_layernorm_output=self.return_layernorm_output,
+            recipe=recipe, workspace=ws, is_first_microbatch=ifm)
+        commit(new_ws)
+        out, ln_out = out if self.return_layernorm_output else (out, None)
+        return te_outputs(out, self.fc2_bias, ln_out, self.return_bias, self.return_layernorm_output)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"activation={self.activation}, normalization={self.normalization}")

@@ -1,0 +1,133 @@
+"""LayerNorm and RMSNorm: the one implementation of the norm math.
+
+`norm_forward` / `norm_backward` are plain tensor functions: the fused
+LayerNormLinear and LayerNormMLP ops call them inside their own autograd
+Functions, and `norm` wraps them as the standalone layers' Function. As in
+TE, the math runs in fp32 (float64 stays float64) whatever the input dtype,
+and backward reads what a norm backward needs: the input, mean and rsigma.
+`norm_reference` is the same function composed of plain torch ops
+(F.layer_norm / F.rms_norm), used for high precision (recipe None).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["NormConfig", "norm", "norm_forward", "norm_backward", "norm_reference", "NORMALIZATIONS"]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+@dataclass(frozen=True)
+class NormConfig:
+    """Static (hashable) description of a norm: a constant for torch.compile."""
+    normalization: str = "LayerNorm"
+    eps: float = 1e-5
+    # The stored weight is gamma - 1 (TE's zero_centered_gamma): y = x_hat * (1 + weight) + bias.
+    zero_centered_gamma: bool = False
+
+    def __post_init__(self):
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
+
+    @property
+    def rms(self) -> bool:
+        return self.normalization == "RMSNorm"
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _gamma(weight: torch.Tensor, cfg: NormConfig, dtype: torch.dtype) -> torch.Tensor:
+    # 1 + weight in fp32, not in the parameter's dtype: in bf16 it would round
+    # away the small offsets zero_centered_gamma exists to keep.
+    gamma = weight.to(dtype)
+    return gamma + 1 if cfg.zero_centered_gamma else gamma
+
+
+def norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: NormConfig):
+    """x (tokens, hidden) -> (y (tokens, hidden) in fp32, mean (tokens, 1) or None for RMSNorm, rsigma (tokens, 1))."""
+    xf = x.to(_compute_dtype(x))
+    if cfg.rms:
+        mean = None
+        rsigma = torch.rsqrt(xf.square().mean(-1, keepdim=True) + cfg.eps)
+        x_hat = xf * rsigma
+    else:
+        mean = xf.mean(-1, keepdim=True)
+        centered = xf - mean
+        rsigma = torch.rsqrt(centered.square().mean(-1, keepdim=True) + cfg.eps)
+        x_hat = centered * rsigma
+    y = x_hat * _gamma(weight, cfg, xf.dtype)
+    if bias is not None:
+        y = y + bias.to(xf.dtype)
+    return y, mean, rsigma
+
+
+def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rsigma: torch.Tensor,
+                  weight: torch.Tensor, cfg: NormConfig):
+    """dy (tokens, hidden) -> (dx in x's dtype, dweight (hidden,) fp32, dbias (hidden,) fp32)."""
+    ct = _compute_dtype(x)
+    dy, xf = dy.to(ct), x.to(ct)
+    x_hat = (xf if mean is None else xf - mean) * rsigma
+    dx_hat = dy * _gamma(weight, cfg, ct)
+    # d/dx of x_hat: remove the components along x_hat (and, for LayerNorm, the mean).
+    proj = (dx_hat * x_hat).mean(-1, keepdim=True)
+    inner = dx_hat - x_hat * proj
+    if mean is not None:
+        inner = inner - dx_hat.mean(-1, keepdim=True)
+    dx = (inner * rsigma).to(x.dtype)
+    return dx, (dy * x_hat).sum(0), dy.sum(0)
+
+
+def norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: NormConfig):
+    """The same norm as plain torch ops (autograd differentiates it): x (..., hidden) -> y, x's dtype."""
+    ct = _compute_dtype(x)
+    gamma, shape = _gamma(weight, cfg, ct), (x.shape[-1],)
+    if cfg.rms:
+        y = F.rms_norm(x.to(ct), shape, gamma, cfg.eps)
+    else:
+        y = F.layer_norm(x.to(ct), shape, gamma, None if bias is None else bias.to(ct), cfg.eps)
+    return y.to(x.dtype)
+
+
+class _Norm(torch.autograd.Function):
+    # forward + setup_context (not forward(ctx, ...)) so torch.func.grad and vmap accept it.
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, weight, bias, cfg):
+        y, mean, rsigma = norm_forward(x, weight, bias, cfg)
+        return y.to(x.dtype), mean, rsigma
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, cfg = inputs
+        _, mean, rsigma = output
+        ctx.mark_non_differentiable(*(t for t in (mean, rsigma) if t is not None))
+        ctx.save_for_backward(x, weight, mean, rsigma)
+        ctx.cfg = cfg
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+
+    @staticmethod
+    def backward(ctx, dy, _g_mean=None, _g_rsigma=None):
+        x, weight, mean, rsigma = ctx.saved_tensors
+        dx, dw, db = norm_backward(dy, x, mean, rsigma, weight, ctx.cfg)
+        w_dtype, b_dtype = ctx.dtypes
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        return (dx if need_dx else None, dw.to(w_dtype) if need_dw else None,
+                db.to(b_dtype) if need_db else None, None)
+
+
+@torch._dynamo.allow_in_graph
+def _apply(x, weight, bias, cfg):
+    # Opaque to dynamo, so torch.compile(torch.func.grad(...)) keeps the custom backward.
+    return _Norm.apply(x, weight, bias, cfg)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: NormConfig) -> torch.Tensor:
+    """x (tokens, hidden) -> normalized (tokens, hidden) in x's dtype, saving x, mean and rsigma."""
+    y, _, _ = _apply(x, weight, bias, cfg)
+    return y

@@ -1,0 +1,65 @@
+"""Delayed scaling: the scale of a step comes from the amaxes of earlier steps.
+
+A role's state is a `DelayedState`: an amax history, whose slot 0 collects
+the current step's amax (`quantize` records it there, by max), and the scale
+the current step quantizes with. At the start of a step `delayed_update`
+turns the history into the new scale and rolls the history (TransformerEngine's
+`amax_and_scale_update`):
+
+    amax  = max(history)            ("max")   or history[0] ("most_recent")
+    scale = (fp8_max / amax) / 2**margin        in fp32
+    scale = old scale                           where amax is 0, inf or NaN
+    scale = largest finite fp32                 where the quotient overflows
+    history <- [0, history[2], ..., history[L-1], history[0]]   (roll by -1, zero slot 0)
+
+so the history always holds the last L recorded amaxes, the newest in slot 0
+until the next roll.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..recipe import DelayedScaling
+from .scheme import scheme_for
+from .tensor import DelayedState
+
+__all__ = ["delayed_update", "delayed_state_spec", "init_delayed_state", "GRAD_HISTORY"]
+
+# The workspace entries that backward updates all end with this: the
+# gradient role's history, which comes back as a "gradient" (see te_func.frame.grad).
+GRAD_HISTORY = "grad_amax_history"
+
+
+def delayed_state_spec(recipe: DelayedScaling) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The entries of one role's state: `amax_history` (amax_history_len,) and `scale` (), float32."""
+    return {"amax_history": ((recipe.amax_history_len,), torch.float32), "scale": ((), torch.float32)}
+
+
+def init_delayed_state(recipe: DelayedScaling, device=None) -> DelayedState:
+    """TE's initial state: a history of zeros and scale 1."""
+    return DelayedState(torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device),
+                        torch.ones((), dtype=torch.float32, device=device))
+
+
+def delayed_update(state: DelayedState, recipe: DelayedScaling, role: str) -> DelayedState:
+    """The state a new step starts from: the scale recomputed from `state.amax_history`,
+    the history rolled so that slot 0 is free for this step's amax.
+
+    state.amax_history: (L,) float32; state.scale: () float32. Returns a new state;
+    nothing is mutated.
+    """
+    history, scale = state
+    fp8_max = scheme_for(recipe, role).fp8_max
+    if recipe.amax_compute_algo == "max":
+        amax = torch.amax(history)            # NaN anywhere in the window gives NaN: keep the scale
+    else:
+        amax = history[0]
+    # A true division: `fp8_max / amax` with a Python float is reciprocal(amax) * fp8_max
+    # in torch, rounded twice.
+    new_scale = (torch.full_like(amax, fp8_max) / amax) / (2.0 ** recipe.margin)
+    new_scale = torch.where((amax > 0) & torch.isfinite(amax), new_scale, scale)
+    new_scale = torch.where(torch.isinf(new_scale), torch.finfo(torch.float32).max, new_scale)
+    # roll(-1) then zero slot 0, written as one concatenation (no in-place write).
+    rolled = torch.cat([history.new_zeros(1), history[2:], history[:1]]) if history.numel() > 1 \
+        else history.new_zeros(1)
+    return DelayedState(rolled, new_scale)
