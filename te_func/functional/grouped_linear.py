@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from ..ops.gemm_layer import GemmConfig
 from ..ops.grouped_linear import grouped_linear_fp8
-from ._common import (cast_weight, check_input, grad_sink, needs_weight_grad, schemes, state_entries,
-                      state_names, step_states)
+from ._common import (cast_weight, check_input, gemm_recipe, grad_sink, needs_weight_grad, schemes,
+                      state_entries, state_names, step_states)
 
 __all__ = ["grouped_linear", "split_sizes"]
 
@@ -90,6 +90,9 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
                          f"then specialized to those sizes. A tensor m_splits compiles in high "
                          f"precision (recipe=None) and works in eager mode with every recipe")
     sizes = split_sizes(m_splits, n, x.shape[0], layer)
+    # One precision for the whole group (its GEMMs share their weights' shape),
+    # decided by the mean group: per-group choices would mix recipes in one call.
+    recipe = gemm_recipe(recipe, inp.device, x.shape[0] // n, in_features, out_features)
     workspace = {} if workspace is None else workspace
     if recipe is None:
         outs = [F.linear(xi, w.to(x.dtype), None if b is None else b.to(x.dtype))

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from ..ops.gemm_layer import GemmConfig
 from ..ops.layernorm_linear import layernorm_linear_fp8
 from ..ops.normalization import norm_reference
-from ._common import (cast_weight, check_input, grad_sink, needs_weight_grad, schemes, state_entries,
-                      state_names, step_states)
+from ._common import (cast_weight, check_input, gemm_recipe, grad_sink, needs_weight_grad, schemes,
+                      state_entries, state_names, step_states)
 from ._fused import check_norm_params, norm_config
 
 __all__ = ["layernorm_linear"]
@@ -36,6 +36,7 @@ def layernorm_linear(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.
                                           "weight": weight, "bias": bias}, recipe)
     check_norm_params(layer, in_features, ln_weight, ln_bias, normalization)
     norm_cfg = norm_config(layer, normalization, eps, zero_centered_gamma)
+    recipe = gemm_recipe(recipe, inp.device, inp.numel() // in_features, in_features, out_features)
     workspace = {} if workspace is None else workspace
     if recipe is None:
         ln_out = norm_reference(inp, ln_weight, ln_bias, norm_cfg)

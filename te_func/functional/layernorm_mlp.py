@@ -8,8 +8,8 @@ from ..ops.activations import activation_forward, check_activation, is_gated
 from ..ops.gemm_layer import GemmConfig
 from ..ops.layernorm_mlp import layernorm_mlp_fp8
 from ..ops.normalization import norm_reference
-from ._common import (cast_weight, check_input, grad_sink, needs_weight_grad, schemes, state_entries,
-                      state_names, step_states)
+from ._common import (cast_weight, check_input, gemm_recipe, grad_sink, needs_weight_grad, schemes,
+                      state_entries, state_names, step_states)
 from ._fused import check_norm_params, norm_config
 
 __all__ = ["layernorm_mlp"]
@@ -54,6 +54,8 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
     check_norm_params(layer, hidden, ln_weight, ln_bias, normalization)
     _check_shapes(layer, hidden, fc1_weight, fc2_weight, activation)
     norm_cfg = norm_config(layer, normalization, eps, zero_centered_gamma)
+    # fc1 and fc2 permute the same (tokens, hidden, ffn): one decision covers both.
+    recipe = gemm_recipe(recipe, inp.device, inp.numel() // hidden, hidden, fc2_weight.shape[1])
     workspace = {} if workspace is None else workspace
     if recipe is None:
         ln_out = norm_reference(inp, ln_weight, ln_bias, norm_cfg)
