@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import te_func as tef
-from te_func.quant import Quantizer, quantize_weight
+from te_func.quant import Quantizer, init_delayed_state, quantize_weight
 from te_func.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 DTYPE = torch.bfloat16
@@ -105,7 +105,8 @@ class Inputs:
 def _torch_block(w: Workload, device) -> nn.Module:
     t, h, f = w.shape
     if w.kind == "linear":
-        return nn.Linear(h, f, device=device, dtype=DTYPE)
+        # In a container: torchao's convert_to_float8_training swaps children, never the root.
+        return nn.Sequential(nn.Linear(h, f, device=device, dtype=DTYPE))
     return nn.Sequential(nn.LayerNorm(h, device=device, dtype=DTYPE), nn.Linear(h, f, device=device, dtype=DTYPE),
                          nn.GELU(approximate="tanh"), nn.Linear(f, h, device=device, dtype=DTYPE))
 
@@ -214,7 +215,9 @@ def _te_step(recipe, w: Workload, inputs: Inputs) -> Step:
     if w.kind == "cast":
         weights = [p for p in params.values() if p.dim() == 2]
         quantizer = Quantizer(recipe)
-        cast = _compile(lambda ws_: [quantize_weight(wt, quantizer, None, True)[1] for wt in ws_], w)
+        # DelayedScaling casts with its weight state's scale (and records the amax).
+        state = init_delayed_state(recipe, inputs.device) if isinstance(recipe, DelayedScaling) else None
+        cast = _compile(lambda ws_: [quantize_weight(wt, quantizer, None, True, state)[1] for wt in ws_], w)
         return Step(lambda: cast(weights), _nbytes(weights), note)
 
     if w.kind == "infer":

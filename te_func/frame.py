@@ -17,7 +17,7 @@ from .quant import GRAD_HISTORY
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 __all__ = ["init_workspaces", "functional_call", "autocast", "grad", "value_and_grad", "recipe_key",
-           "backward_state_keys", "merge_backward_state"]
+           "validate_workspaces", "backward_state_keys", "merge_backward_state"]
 
 _RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling)
 _RECIPE_PREFIX = "te_func.recipe="
@@ -56,8 +56,12 @@ def init_workspaces(model: nn.Module, recipe) -> dict[str, torch.Tensor]:
     return ws
 
 
-def _validate(model, ws, recipe):
-    """Every entry this model and recipe need, with the right shape and dtype, and no other."""
+def validate_workspaces(model, ws, recipe):
+    """Check that `ws` holds every entry `model` needs under `recipe`, with the right
+    shape and dtype, and no other; raise an error naming the first entry that does not.
+
+    Returns {id(module): (its path, its entry names)} for the frame.
+    """
     if not isinstance(ws, dict):
         raise TypeError(f"workspaces must be the dict from tef.init_workspaces(model, recipe), got {type(ws).__name__}")
     key = recipe_key(recipe)
@@ -100,12 +104,13 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
     """Run `model` with `params` (as torch.func.functional_call takes them) and
     workspaces `ws`. Returns `(out, new_ws)`; nothing passed in is mutated.
 
-    is_first_microbatch: None quantizes weights and caches nothing; True
-    quantizes and caches; False reuses a valid cache, else quantizes and caches.
+    is_first_microbatch: None and True quantize the weights and store the casts
+    in new_ws (None never reads them); False reuses a valid stored cast, else
+    quantizes and stores. A layer called again within the call runs as False.
     A layer's own `is_first_microbatch=` argument, when given, wins.
     """
     _check_recipe(recipe)
-    owners = _validate(model, ws, recipe)
+    owners = validate_workspaces(model, ws, recipe)
     args = args if isinstance(args, tuple) else (args,)
     frame = Frame(recipe, ws, owners, is_first_microbatch)
     with push(frame):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .frame import _validate, backward_state_keys, functional_call, init_workspaces
+from .frame import backward_state_keys, functional_call, init_workspaces, validate_workspaces
 
 __all__ = ["Stateful"]
 
@@ -83,7 +83,7 @@ class Stateful(nn.Module):
         ws = {k[len(_WS):]: v for k, v in state_dict.items() if k.startswith(_WS)}
         rest = {k: v for k, v in state_dict.items() if not k.startswith(_WS)}
         try:   # a clear error naming the recipe, or the missing or misshapen entry
-            _validate(self.model, ws, self.recipe)
+            validate_workspaces(self.model, ws, self.recipe)
         except (KeyError, ValueError) as e:
             raise type(e)(f"Stateful.load_state_dict: the checkpoint does not fit this shell "
                           f"(recipe={self.recipe!r}): {e.args[0]}") from None

@@ -18,8 +18,9 @@ __all__ = ["cast_kernels_available", "set_cast_kernels", "tensorwise_cast"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_NUMEL = 2**31 - 2**24     # int32 indexing in the kernels
-# Off by default until verified on the GPU: set TE_FUNC_CAST_KERNELS=1 or call set_cast_kernels(True).
-_DEFAULT = "0"
+# On by default: bit-identical to the torch path on an H200 (tests/test_kernels.py,
+# 2026-11-29). TE_FUNC_CAST_KERNELS=0 or set_cast_kernels(False) turns them off.
+_DEFAULT = "1"
 _enabled = os.environ.get("TE_FUNC_CAST_KERNELS", _DEFAULT) == "1"
 calls = {"fused": 0}           # how many casts the kernels made (tests check they ran)
 
@@ -61,9 +62,20 @@ def _plain(t: torch.Tensor) -> torch.Tensor | None:
     return t if type(t) is torch.Tensor else None
 
 
+@functools.cache
+def _has_fp8_conversions(index: int) -> bool:
+    # The kernels' FP8 conversion instructions exist from Ada/Hopper (sm_89) on.
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
 def _applies(x: torch.Tensor) -> bool:
-    return (_enabled and not torch.compiler.is_compiling() and x.dtype in _INPUT_DTYPES
-            and 0 < x.numel() < _MAX_NUMEL and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+    if not (_enabled and not torch.compiler.is_compiling() and x.dtype in _INPUT_DTYPES
+            and 0 < x.numel() < _MAX_NUMEL):
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return x.is_cuda and _has_fp8_conversions(x.device.index if x.device.index is not None
+                                              else torch.cuda.current_device())
 
 
 def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_epsilon: float,

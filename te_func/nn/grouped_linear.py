@@ -5,7 +5,6 @@ import torch
 
 from .. import functional as F
 from ..functional.grouped_linear import gemm_state_names
-from .linear import delayed_state_entries, weight_cast_entries
 from .module import TEModule, make_param, te_init
 
 __all__ = ["GroupedLinear"]
@@ -42,18 +41,8 @@ class GroupedLinear(TEModule):
     def _biases(self):
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
 
-    def _entries(self, recipe, spec):
-        entries = {}
-        for i, w in enumerate(self._weights()):
-            entries.update(weight_cast_entries(f"weight{i}", w, recipe, spec))
-            entries.update(delayed_state_entries(gemm_state_names(i), recipe, spec, device=w.device))
-        return entries
-
-    def workspace_spec(self, recipe):
-        return self._entries(recipe, spec=True)
-
-    def init_workspace(self, recipe):
-        return self._entries(recipe, spec=False)
+    def gemms(self):
+        return [(f"weight{i}", gemm_state_names(i)) for i in range(self.num_gemms)]
 
     def forward(self, inp: torch.Tensor, m_splits, *, is_first_microbatch: bool | None = None):
         recipe, ws, ifm, commit = self._bind(is_first_microbatch)

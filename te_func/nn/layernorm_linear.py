@@ -6,7 +6,6 @@ import torch
 from .. import functional as F
 from ..functional._common import state_names
 from ._fused import add_norm_params, te_outputs
-from .linear import delayed_state_entries, weight_cast_entries
 from .module import TEModule, make_param, te_init
 
 __all__ = ["LayerNormLinear"]
@@ -37,13 +36,8 @@ class LayerNormLinear(TEModule):
         self.weight = make_param((out_features, in_features), params_dtype, device, te_init())
         self.bias = make_param((out_features,), params_dtype, device) if bias else None
 
-    def workspace_spec(self, recipe):
-        return {**weight_cast_entries("weight", self.weight, recipe, spec=True),
-                **delayed_state_entries(state_names(), recipe, spec=True)}
-
-    def init_workspace(self, recipe):
-        return {**weight_cast_entries("weight", self.weight, recipe, spec=False),
-                **delayed_state_entries(state_names(), recipe, spec=False, device=self.weight.device)}
+    def gemms(self):
+        return [("weight", state_names())]
 
     def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None):
         recipe, ws, ifm, commit = self._bind(is_first_microbatch)

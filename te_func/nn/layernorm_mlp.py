@@ -7,7 +7,6 @@ from .. import functional as F
 from ..functional._common import state_names
 from ..ops.activations import check_activation, is_gated
 from ._fused import add_norm_params, te_outputs
-from .linear import delayed_state_entries, weight_cast_entries
 from .module import TEModule, make_param, te_init
 
 __all__ = ["LayerNormMLP"]
@@ -44,17 +43,9 @@ class LayerNormMLP(TEModule):
         self.fc2_weight = make_param((hidden_size, ffn_hidden_size), params_dtype, device, te_init())
         self.fc2_bias = make_param((hidden_size,), params_dtype, device) if bias else None
 
-    def _entries(self, recipe, spec):
-        names = {**state_names("fc1_", "fc1_weight"), **state_names("fc2_", "fc2_weight")}
-        return {**weight_cast_entries("fc1_weight", self.fc1_weight, recipe, spec),
-                **weight_cast_entries("fc2_weight", self.fc2_weight, recipe, spec),
-                **delayed_state_entries(names, recipe, spec, device=self.fc1_weight.device)}
-
-    def workspace_spec(self, recipe):
-        return self._entries(recipe, spec=True)
-
-    def init_workspace(self, recipe):
-        return self._entries(recipe, spec=False)
+    def gemms(self):
+        return [("fc1_weight", state_names("fc1_", "fc1_weight")),
+                ("fc2_weight", state_names("fc2_", "fc2_weight"))]
 
     def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None):
         recipe, ws, ifm, commit = self._bind(is_first_microbatch)

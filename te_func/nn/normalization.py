@@ -24,12 +24,6 @@ class _Norm(TEModule):
         self.bias = make_param((hidden_size,), params_dtype, device) if bias else None
 
     # High precision under every recipe, as TE: nothing to cache.
-    def workspace_spec(self, recipe):
-        return {}
-
-    def init_workspace(self, recipe):
-        return {}
-
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
 
