@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import multiprocessing as mp
 import os
 import statistics

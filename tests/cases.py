@@ -39,8 +39,6 @@ class LayerCase:
     # Whether the per-sample vmap column applies: vmap over dim 0 of the first
     # input, the other inputs shared (False for inputs like GroupedLinear's m_splits).
     per_sample: bool = True
-    # Whether the layer runs under DelayedScaling; False skips the matrix's delayed column.
-    delayed: bool = True
 
 
 def _tokens(features):

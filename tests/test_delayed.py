@@ -12,7 +12,6 @@ every history and scale, which each driver must match bit for bit.
 """
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import pytest

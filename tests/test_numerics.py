@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import te_func as tef
-from cases import LAYERS, RECIPES, detached_params, needs_state, sqnr
+from cases import LAYERS, RECIPES, detached_params, sqnr
 
 BATCH = 4
 TORCHAO_MIN = {"out": 18.0, "dgrad": 17.0, "wgrad": 17.0}
@@ -71,9 +71,7 @@ def _rows():
         for rid, recipe in RECIPES:
             if recipe is None:
                 continue
-            marks = ([pytest.mark.skip(reason=f"{case.name} does not support DelayedScaling yet")]
-                     if needs_state(recipe) and not case.delayed else [])
-            yield pytest.param(case, rid, recipe, id=f"{case.name}-{rid}", marks=marks)
+            yield pytest.param(case, rid, recipe, id=f"{case.name}-{rid}")
 
 
 @pytest.mark.parametrize("case, rid, recipe", list(_rows()))

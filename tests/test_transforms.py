@@ -23,13 +23,7 @@ from cases import LAYERS, RECIPES, detached_params, needs_state, sqnr
 BATCH = 4
 
 
-def _row(case, rid, recipe):
-    marks = ([pytest.mark.skip(reason=f"{case.name} does not support DelayedScaling yet")]
-             if needs_state(recipe) and not case.delayed else [])
-    return pytest.param(case, recipe, id=f"{case.name}-{rid}", marks=marks)
-
-
-MATRIX = [_row(case, rid, recipe) for case in LAYERS for rid, recipe in RECIPES]
+MATRIX = [pytest.param(case, recipe, id=f"{case.name}-{rid}") for case in LAYERS for rid, recipe in RECIPES]
 
 
 @dataclass

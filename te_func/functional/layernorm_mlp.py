@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops.activations import activation_forward, check_activation, is_gated
+from ..ops.activations import activation_reference, check_activation, is_gated
 from ..ops.gemm_layer import GemmConfig
 from ..ops.layernorm_mlp import layernorm_mlp_fp8
 from ..ops.normalization import norm_reference
@@ -61,7 +61,7 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
         ln_out = norm_reference(inp, ln_weight, ln_bias, norm_cfg)
         cast = lambda t: None if t is None else t.to(inp.dtype)  # noqa: E731
         fc1_out = F.linear(ln_out, cast(fc1_weight), cast(fc1_bias))
-        out = F.linear(activation_forward(activation, fc1_out), cast(fc2_weight), cast(fc2_bias))
+        out = F.linear(activation_reference(activation, fc1_out), cast(fc2_weight), cast(fc2_bias))
         entries = {}
     else:
         states = step_states(recipe, workspace, {**_FC1, **_FC2}, is_first_microbatch)  # None unless delayed

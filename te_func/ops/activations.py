@@ -11,8 +11,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["ACTIVATIONS", "is_gated", "check_activation", "activation_forward", "activation_backward"]
+__all__ = ["ACTIVATIONS", "is_gated", "check_activation", "activation_forward", "activation_backward",
+           "activation_reference"]
 
 _K = math.sqrt(2.0 / math.pi)   # tanh approximation of gelu
 
@@ -94,6 +96,25 @@ def activation_forward(activation: str, x: torch.Tensor) -> torch.Tensor:
         a, gate = xf.chunk(2, dim=-1)
         return (fn(a) * gate).to(x.dtype)
     return fn(xf).to(x.dtype)
+
+
+# torch's own fused activations for gelu and relu: one kernel, and autograd keeps
+# only the input, where gelu's formula above keeps six intermediates. (F.silu is
+# left out: its eager backward and torch.func.grad's differ in the last bit.)
+_gelu_tanh = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731
+_TORCH = {"gelu": _gelu_tanh, "geglu": _gelu_tanh, "relu": F.relu, "reglu": F.relu}
+
+
+def activation_reference(activation: str, x: torch.Tensor) -> torch.Tensor:
+    """The activation as plain torch computes it, for the high-precision path that
+    autograd differentiates: torch's function where it has one, else the formula."""
+    torch_fn = _TORCH.get(activation)
+    if torch_fn is None:
+        return activation_forward(activation, x)
+    if is_gated(activation):
+        a, gate = x.chunk(2, dim=-1)
+        return torch_fn(a) * gate
+    return torch_fn(x)
 
 
 def activation_backward(activation: str, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
