@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import te_func as tef
-from te_func.recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from te_func.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
-RECIPES = {"bf16": None, "current": Float8CurrentScaling(), "mxfp8": MXFP8BlockScaling(),
-           "block": Float8BlockScaling()}
+# "high": high precision (the parameters' dtype, float32 here).
+RECIPES = {"high": None, "current": Float8CurrentScaling(), "mxfp8": MXFP8BlockScaling(),
+           "block": Float8BlockScaling(), "delayed": DelayedScaling(amax_history_len=16)}
 
 
 class Block(nn.Module):

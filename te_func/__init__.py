@@ -18,7 +18,8 @@ The package's layers, each importing only those below it:
 
 Promises: nothing passed to a functional call is mutated; the same inputs give
 the same outputs; compiled results equal eager ones; a workspace made for
-another model or recipe is refused with an error naming the entry.
+another recipe, or with entries another model's layers would have, is refused
+with an error naming the entry.
 """
 from . import functional, nn, quant, recipe
 from .frame import autocast, functional_call, grad, init_workspaces, value_and_grad

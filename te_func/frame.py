@@ -69,6 +69,8 @@ def validate_workspaces(model, ws, recipe):
     for path, m in _te_modules(model):
         spec = m.workspace_spec(recipe)
         owners[id(m)] = (path, tuple(spec))
+        # A model on "meta" (the usual base of a vmapped ensemble) says nothing about devices.
+        device = next((p.device for p in m.parameters() if p.device.type != "meta"), None)
         for name, (shape, dtype) in spec.items():
             entry = _prefix(path) + name
             expected.add(entry)
@@ -82,6 +84,11 @@ def validate_workspaces(model, ws, recipe):
                                              f"{t.dtype}, but {type(m).__name__} at {path or '(root)'!r} needs "
                                              f"{tuple(shape)} {dtype}: these workspaces belong to another model "
                                              f"or recipe"))
+            elif device is not None and t.device != device:
+                problems.append((ValueError, f"workspace entry {entry!r} is on {t.device} but {type(m).__name__} "
+                                             f"at {path or '(root)'!r} is on {device}: move the workspaces "
+                                             f"({{k: v.to(device) for k, v in ws.items()}}) or make them after "
+                                             f"model.to(device)"))
     if key not in ws:
         made_for = [k[len(_RECIPE_PREFIX):] for k in ws if k.startswith(_RECIPE_PREFIX)]
         shapes = [msg for cls, msg in problems if cls is ValueError]

@@ -99,14 +99,14 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool
     if a.data.shape[-1] != b.data.shape[-1]:
         raise ValueError(f"GEMM reduction dims differ: a {tuple(a.data.shape)}, b {tuple(b.data.shape)}")
     if _use_scaled_mm(a, b):
-        return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv,
-                                out_dtype=out_dtype, use_fast_accum=fast_accum)
+        # a row-major, b column-major (casts are made row-major; a no-op then).
+        return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=a.scale_inv,
+                                scale_b=b.scale_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
     if _use_blockwise_scaled_mm(a, b):
         # cuBLAS wants 1x128 scales outer-dim-major: (rows, K/128) stored column-major.
         scale_a = a.scale_inv.t().contiguous().t()
         scale_b = b.scale_inv.t() if b.block == (128, 128) else b.scale_inv.t().contiguous()
-        # A cast of x.T can come out column-major (elementwise ops keep strides); cuBLAS
-        # takes a row-major and b column-major. No copy when the layout is already right.
+        # a row-major, b column-major (casts are made row-major; a no-op then).
         return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=scale_a, scale_b=scale_b,
                                 out_dtype=out_dtype)
     if out_dtype == torch.bfloat16 and _pow2_blocks_on_gpu(a, b):

@@ -36,11 +36,13 @@ class Format(enum.Enum):
         return f"Format.{self.name}"
 
     def dtype(self, role: str) -> torch.dtype:
+        """The FP8 dtype of tensors of `role` ("input", "weight" or "grad")."""
         if self is Format.E5M2 or (self is Format.HYBRID and role == "grad"):
             return torch.float8_e5m2
         return torch.float8_e4m3fn
 
     def max(self, role: str) -> float:
+        """The largest finite value of `dtype(role)`."""
         return torch.finfo(self.dtype(role)).max  # 448 for E4M3, 57344 for E5M2
 
 

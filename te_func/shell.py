@@ -80,16 +80,23 @@ class Stateful(nn.Module):
         return sd
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        ws = {k[len(_WS):]: v for k, v in state_dict.items() if k.startswith(_WS)}
+        """Parameters and workspaces. With strict=False a checkpoint without workspaces
+        (model weights only, e.g. converted from TE) loads too; fresh workspaces are then
+        made from the loaded weights."""
+        device = next(self.model.parameters(), torch.empty(0)).device
+        ws = {k[len(_WS):]: v.to(device) for k, v in state_dict.items() if k.startswith(_WS)}
         rest = {k: v for k, v in state_dict.items() if not k.startswith(_WS)}
+        if not ws and not strict:
+            result = super().load_state_dict(rest, strict=strict, assign=assign)
+            self.reset_workspaces()
+            return result
         try:   # a clear error naming the recipe, or the missing or misshapen entry
             validate_workspaces(self.model, ws, self.recipe)
         except (KeyError, ValueError) as e:
             raise type(e)(f"Stateful.load_state_dict: the checkpoint does not fit this shell "
                           f"(recipe={self.recipe!r}): {e.args[0]}") from None
         result = super().load_state_dict(rest, strict=strict, assign=assign)
-        device = next(self.model.parameters(), torch.empty(0)).device
-        self.workspaces = {k: v.to(device) for k, v in ws.items()}
+        self.workspaces = ws
         self._make_grad_sinks()
         return result
 

@@ -51,5 +51,10 @@ def test_check_is_off_by_default_and_saturates_inf_as_te_does():
 
 def test_vmapped_calls_skip_the_check(checking):
     layer = tef.nn.Linear(16, 8)
-    out = torch.func.vmap(layer)(torch.randn(3, 4, 16))
-    assert out.shape == (3, 4, 8) and torch.isfinite(out).all()
+    x = torch.randn(3, 4, 16)
+    x[1, 0, 0] = float("nan")                  # a batched tensor has no single truth value to check
+    out = torch.func.vmap(layer)(x)
+    assert out.shape == (3, 4, 8)
+    assert torch.isnan(out[1, 0]).all() and torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()
+    with pytest.raises(ValueError, match="non-finite"):
+        layer(x)                               # the same input unbatched is caught

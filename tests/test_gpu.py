@@ -125,13 +125,18 @@ def test_linear_bf16_on_cuda_matches_float64(cuda, recipe):
     def run(model, rec, inp):
         params, ws = detached_params(model), tef.init_workspaces(model, rec)
 
-        def loss_fn(p, w, x):
-            out, new_w = tef.functional_call(model, p, w, (x,), recipe=rec, is_first_microbatch=True)
-            return (out * grad_out.to(out.dtype)).sum(), (out.detach(), new_w)
+        def call(p, w, x):
+            return tef.functional_call(model, p, w, (x,), recipe=rec, is_first_microbatch=True)
 
-        grad_fn = torch.func.grad(loss_fn, argnums=(0, 2), has_aux=True)
-        _, (_, ws) = grad_fn(params, ws, inp)              # warm-up: delayed scaling's first amaxes
-        (grads, dx), (out, _) = grad_fn(params, ws, inp)
+        def loss_fn(p, w, x):
+            out, new_w = call(p, w, x)
+            return (out * grad_out.to(out.dtype)).sum(), new_w
+
+        step = tef.grad(loss_fn, argnums=(0, 2))
+        _, ws = step(params, ws, inp)          # warm-up: delayed scaling's first amaxes, the gradient's too
+        (grads, dx), _ = step(params, ws, inp)
+        with torch.no_grad():
+            out, _ = call(params, ws, inp)     # the same step's forward: same scales, same output
         return out, dx, grads
 
     out, dx, grads = run(layer, recipe, x)
@@ -174,3 +179,29 @@ def test_compiled_train_step_on_cuda_equals_eager(cuda, recipe):
         for k in w_e:
             if k.endswith("amax_history"):
                 assert torch.allclose(w_c[k], w_e[k], rtol=1e-2), k
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(r, id=rid) for rid, r in RECIPES if r is not None])
+def test_linear_takes_non_contiguous_inputs_and_gradients_on_cuda(cuda, recipe):
+    """A transposed input and a transposed output gradient: the casts come out row-major,
+    which cuBLAS's FP8 GEMMs need, and the result equals the contiguous run."""
+    previous = tef.set_fp8_min_gemm_size(0)
+    try:
+        model = torch.nn.Sequential(tef.nn.Linear(256, 128, device=cuda))
+        ws = tef.init_workspaces(model, recipe)
+        x_t = torch.randn(256, 64, device=cuda).t()                    # (64, 256), column-major
+        g_t = torch.randn(128, 64, device=cuda).t()                    # (64, 128), column-major
+
+        def loss_fn(params, ws, x, g):
+            out, new_ws = tef.functional_call(model, params, ws, (x,), recipe=recipe)
+            return (out * g).sum(), new_ws
+
+        params = detached_params(model)
+        (grads, dx), _ = tef.grad(loss_fn, argnums=(0, 2))(params, ws, x_t, g_t)
+        (want, want_dx), _ = tef.grad(loss_fn, argnums=(0, 2))(params, ws, x_t.contiguous(), g_t.contiguous())
+        # The same FP8 casts feed the same GEMMs; only the bias gradient's sum runs in
+        # another order over a column-major gradient.
+        assert torch.equal(dx, want_dx) and torch.equal(grads["0.weight"], want["0.weight"])
+        assert torch.allclose(grads["0.bias"], want["0.bias"], rtol=1e-5, atol=1e-5)
+    finally:
+        tef.set_fp8_min_gemm_size(previous)

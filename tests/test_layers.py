@@ -29,8 +29,10 @@ HIDDEN, FFN, TOKENS = 64, 96, 32
 #                    block fwd 28.2-28.7, grads >= 28.6
 #   LayerNormMLP     current fwd 23.5-25.7, grads >= 19.0 (geglu); mxfp8 fwd 23.3-26.4, grads >= 21.6;
 #                    block fwd 22.6 (geglu)-25.9, grads >= 21.1; bf16 swiglu/RMSNorm fwd >= 23.2, grads >= 20.9
-# Thresholds: 2-3 dB under the minimum, and torchao's bars (18 fwd, 17 weight grad).
+# Thresholds: 2-3 dB under each layer's minimum, never under torchao's bars (18 fwd, 17 weight
+# grad): LayerNormMLP's lowest (fwd 22.6, grads 19.0) sets the default.
 MIN_SQNR = {"fwd": 20.0, "grad": 17.0}
+LAYERNORM_LINEAR_SQNR = {"fwd": 26.0, "grad": 21.0}
 HIGH_PRECISION_SQNR = 110.0
 
 
@@ -99,13 +101,13 @@ def reference_grads(fn, x, params, cot):
     return out, dict(zip(["x", *p64], grads))
 
 
-def check(recipe, out, grads, ref_out, ref_grads, names=None):
+def check(recipe, out, grads, ref_out, ref_grads, names=None, bars=MIN_SQNR):
     hp = recipe is None
     fwd = sqnr(ref_out, out)
-    assert fwd >= (HIGH_PRECISION_SQNR if hp else MIN_SQNR["fwd"]), f"forward SQNR {fwd:.1f} dB"
+    assert fwd >= (HIGH_PRECISION_SQNR if hp else bars["fwd"]), f"forward SQNR {fwd:.1f} dB"
     for k in names or ref_grads:
         s = sqnr(ref_grads[k], grads[k])
-        assert s >= (HIGH_PRECISION_SQNR if hp else MIN_SQNR["grad"]), f"grad of {k}: SQNR {s:.1f} dB"
+        assert s >= (HIGH_PRECISION_SQNR if hp else bars["grad"]), f"grad of {k}: SQNR {s:.1f} dB"
 
 
 RECIPE_PARAMS = [pytest.param(r, id=rid) for rid, r in RECIPES if not needs_state(r)]
@@ -139,8 +141,8 @@ def test_layernorm_linear_matches_float64(normalization, recipe):
     def fn(x, p):
         return ref_norm(x, p["layer_norm_weight"], p.get("layer_norm_bias"),
                         rms=normalization == "RMSNorm") @ p["weight"].T + p["bias"]
-    # Measured: see MIN_SQNR above (fwd >= 28.2, grads >= 23.8).
-    check(recipe, out, grads, *reference_grads(fn, x, dict(m.named_parameters()), cot))
+    # Measured: fwd >= 28.2, grads >= 23.8 (see above).
+    check(recipe, out, grads, *reference_grads(fn, x, dict(m.named_parameters()), cot), bars=LAYERNORM_LINEAR_SQNR)
 
 
 @pytest.mark.parametrize("recipe", RECIPE_PARAMS)
@@ -236,7 +238,7 @@ def test_return_bias_and_layernorm_output_in_te_order(layer, recipe):
     bias = sd[bias_name]
     assert torch.equal(outs[False, False], full)
     out, b = outs[True, False]
-    assert b is getattr(m, bias_name) or torch.equal(b, bias)
+    assert torch.equal(b, bias)
     assert torch.allclose(out + b, full, atol=1e-5)
     out, ln_out = outs[False, True]
     assert torch.equal(out, full) and torch.allclose(ln_out, ln_ref, atol=1e-6)

@@ -214,6 +214,11 @@ def test_works_inside_user_models(make, recipe):
     if recipe is not None:
         assert {k.split(".weight_cast.")[0] for k in ws if ".weight_cast." in k} == set(te_paths)
     x = torch.randn(2, 8, 32)
+    if isinstance(recipe, DelayedScaling) and isinstance(model, TwoTower):
+        # towers.a is used twice: under DelayedScaling that is refused (tests/test_shared_layer.py).
+        with pytest.raises(RuntimeError, match="called twice in one call under DelayedScaling"):
+            tef.functional_call(model, params, ws, (x,), recipe=recipe, is_first_microbatch=True)
+        return
     out, new_ws = tef.functional_call(model, params, ws, (x,), recipe=recipe, is_first_microbatch=True)
     assert out.shape == (2, 8, 4) and new_ws.keys() == ws.keys()
     grads, _ = tef.grad(lambda p, w: (tef.functional_call(model, p, w, (x,), recipe=recipe)[0].sum(), w))(
@@ -307,3 +312,42 @@ def test_cuda_device_without_cuda_gives_a_clear_error():
     with pytest.raises(RuntimeError, match=r"device='cuda' was asked for, but torch.cuda.is_available\(\) "
                                            r"is False.*use device='cpu'"):
         tef.nn.Linear(32, 16, device="cuda")
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(r, id=rid) for rid, r in RECIPES if r is not None])
+def test_non_contiguous_input_and_gradient_give_the_contiguous_result(recipe):
+    model = torch.nn.Sequential(tef.nn.Linear(64, 32))
+    ws = tef.init_workspaces(model, recipe)
+    x_t, g_t = torch.randn(64, 16).t(), torch.randn(32, 16).t()     # column-major
+
+    def loss_fn(params, ws, x, g):
+        out, new_ws = tef.functional_call(model, params, ws, (x,), recipe=recipe)
+        return (out * g).sum(), new_ws
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    (grads, dx), _ = tef.grad(loss_fn, argnums=(0, 2))(params, ws, x_t, g_t)
+    (want, want_dx), _ = tef.grad(loss_fn, argnums=(0, 2))(params, ws, x_t.contiguous(), g_t.contiguous())
+    assert torch.equal(dx, want_dx) and torch.equal(grads["0.weight"], want["0.weight"])
+    assert torch.allclose(grads["0.bias"], want["0.bias"], rtol=1e-5, atol=1e-5)   # sum order differs
+
+
+def test_workspace_entry_on_another_device_is_refused_naming_it():
+    model, recipe = torch.nn.Sequential(tef.nn.Linear(16, 8)), Float8CurrentScaling()
+    ws = tef.init_workspaces(model, recipe)
+    moved = {k: (v.to("meta") if k == "0.weight_cast.data_t" else v) for k, v in ws.items()}
+    with pytest.raises(ValueError, match=r"'0.weight_cast.data_t' is on meta but Linear at '0' is on cpu"):
+        tef.functional_call(model, dict(model.named_parameters()), moved, (torch.randn(2, 16),), recipe=recipe)
+
+
+def test_stateful_loads_a_weights_only_checkpoint_with_strict_false():
+    recipe = Float8CurrentScaling()
+    source = torch.nn.Sequential(tef.nn.Linear(16, 8))
+    shell = tef.Stateful(torch.nn.Sequential(tef.nn.Linear(16, 8)), recipe)
+    weights_only = {f"model.{k}": v for k, v in source.state_dict().items()}
+    with pytest.raises(ValueError, match="does not fit this shell"):
+        shell.load_state_dict(weights_only)                     # strict: the workspaces are missing
+    shell.load_state_dict(weights_only, strict=False)
+    assert torch.equal(shell.model[0].weight, source[0].weight)
+    fresh = tef.init_workspaces(source, recipe)
+    assert all(torch.equal(shell.workspaces[k].view(torch.uint8) if v.element_size() == 1 else shell.workspaces[k],
+                           v.view(torch.uint8) if v.element_size() == 1 else v) for k, v in fresh.items())

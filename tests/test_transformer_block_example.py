@@ -15,7 +15,7 @@ def _load():
 
 def test_transformer_block_trains_with_every_recipe():
     results = _load().main(steps=3)
-    assert set(results) == {"bf16", "current", "mxfp8", "block"}
+    assert set(results) == {"high", "current", "mxfp8", "block", "delayed"}
     for name, losses in results.items():
         assert len(losses) == 3 and all(math.isfinite(v) for v in losses), name
         assert losses[-1] < losses[0], (name, losses)

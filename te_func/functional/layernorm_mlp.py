@@ -54,7 +54,8 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
     check_norm_params(layer, hidden, ln_weight, ln_bias, normalization)
     _check_shapes(layer, hidden, fc1_weight, fc2_weight, activation)
     norm_cfg = norm_config(layer, normalization, eps, zero_centered_gamma)
-    # fc1 and fc2 permute the same (tokens, hidden, ffn): one decision covers both.
+    # One decision for both GEMMs, by fc2's (tokens, ffn, hidden); fc1's is the same
+    # permuted, or twice as wide for a gated activation, so at least as large.
     recipe = gemm_recipe(recipe, inp.device, inp.numel() // hidden, hidden, fc2_weight.shape[1])
     workspace = {} if workspace is None else workspace
     if recipe is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.normalization import norm, norm_reference
+from ..ops.normalization import norm_reference
 from ._common import check_input
 from ._fused import check_norm_params, norm_config
 
@@ -20,11 +20,9 @@ def _norm(layer, normalization, inp, weight, bias, eps, zero_centered_gamma, rec
     check_input(layer, inp, hidden, {"weight": weight, "bias": bias}, recipe)
     check_norm_params(layer, hidden, weight, bias, normalization)
     cfg = norm_config(layer, normalization, eps, zero_centered_gamma)
-    workspace = {} if workspace is None else workspace
-    if recipe is None:
-        return norm_reference(inp, weight, bias, cfg), workspace
-    out = norm(inp.reshape(-1, hidden), weight, bias, cfg)                  # (tokens, hidden)
-    return out.reshape(inp.shape), workspace
+    # The same computation under every recipe (nothing here is quantized): torch's
+    # own layer_norm / rms_norm, which autograd differentiates.
+    return norm_reference(inp, weight, bias, cfg), ({} if workspace is None else workspace)
 
 
 def layer_norm(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

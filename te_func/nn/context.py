@@ -61,11 +61,20 @@ def bind(module, layer: str, is_first_microbatch: bool | None):
     prefix = f"{path}." if path else ""
     # A module called again in the same frame (a shared layer) sees what its
     # first call wrote and runs as a later microbatch of the same step: its
-    # weight cast is reused and DelayedScaling does not start another step.
+    # weight cast is reused.
     again = any(prefix + n in frame.updates for n in names)
     local = {n: frame.updates.get(prefix + n, frame.workspaces[prefix + n]) for n in names}
     ifm = is_first_microbatch if is_first_microbatch is not None else frame.is_first_microbatch
     if again:
+        if isinstance(frame.recipe, DelayedScaling):
+            # Each use's backward would report its grad amax as the "gradient" of the
+            # same entry, and autograd sums two gradients of one input: the amaxes
+            # would add instead of taking the max.
+            raise RuntimeError(
+                f"{layer} at {path or '(root)'!r} was called twice in one call under DelayedScaling, "
+                f"which te_func does not support: the two uses' gradient amaxes cannot be combined. "
+                f"Use two layers, or a stateless recipe (Float8CurrentScaling, MXFP8BlockScaling, "
+                f"Float8BlockScaling) for a model that reuses a layer")
         ifm = False
 
     def commit(new_workspace: dict):

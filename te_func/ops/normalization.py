@@ -2,11 +2,11 @@
 
 `norm_forward` / `norm_backward` are plain tensor functions: the fused
 LayerNormLinear and LayerNormMLP ops call them inside their own autograd
-Functions, and `norm` wraps them as the standalone layers' Function. As in
-TE, the math runs in fp32 (float64 stays float64) whatever the input dtype,
-and backward reads what a norm backward needs: the input, mean and rsigma.
-`norm_reference` is the same function composed of plain torch ops
-(F.layer_norm / F.rms_norm), used for high precision (recipe None).
+Functions. As in TE, the math runs in fp32 (float64 stays float64) whatever
+the input dtype, and backward reads what a norm backward needs: the input,
+mean and rsigma. `norm_reference` is the same function composed of plain
+torch ops (F.layer_norm / F.rms_norm), which autograd differentiates: the
+standalone LayerNorm / RMSNorm and every high-precision (recipe None) path.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NormConfig", "norm", "norm_forward", "norm_backward", "norm_reference", "NORMALIZATIONS"]
+__all__ = ["NormConfig", "norm_forward", "norm_backward", "norm_reference", "NORMALIZATIONS"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -91,43 +91,3 @@ def norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     else:
         y = F.layer_norm(x.to(ct), shape, gamma, None if bias is None else bias.to(ct), cfg.eps)
     return y.to(x.dtype)
-
-
-class _Norm(torch.autograd.Function):
-    # forward + setup_context (not forward(ctx, ...)) so torch.func.grad and vmap accept it.
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, weight, bias, cfg):
-        y, mean, rsigma = norm_forward(x, weight, bias, cfg)
-        return y.to(x.dtype), mean, rsigma
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, bias, cfg = inputs
-        _, mean, rsigma = output
-        ctx.mark_non_differentiable(*(t for t in (mean, rsigma) if t is not None))
-        ctx.save_for_backward(x, weight, mean, rsigma)
-        ctx.cfg = cfg
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-
-    @staticmethod
-    def backward(ctx, dy, _g_mean=None, _g_rsigma=None):
-        x, weight, mean, rsigma = ctx.saved_tensors
-        dx, dw, db = norm_backward(dy, x, mean, rsigma, weight, ctx.cfg)
-        w_dtype, b_dtype = ctx.dtypes
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        return (dx if need_dx else None, dw.to(w_dtype) if need_dw else None,
-                db.to(b_dtype) if need_db else None, None)
-
-
-@torch._dynamo.allow_in_graph
-def _apply(x, weight, bias, cfg):
-    # Opaque to dynamo, so torch.compile(torch.func.grad(...)) keeps the custom backward.
-    return _Norm.apply(x, weight, bias, cfg)
-
-
-def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: NormConfig) -> torch.Tensor:
-    """x (tokens, hidden) -> normalized (tokens, hidden) in x's dtype, saving x, mean and rsigma."""
-    y, _, _ = _apply(x, weight, bias, cfg)
-    return y

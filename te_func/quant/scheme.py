@@ -17,6 +17,7 @@ __all__ = ["Scheme", "scheme_for", "scale_from_amax", "e8m0_scale_inv", "round_d
 
 @dataclass(frozen=True)
 class Scheme:
+    """How one tensor role is quantized under one recipe (see `scheme_for`)."""
     dtype: torch.dtype            # float8_e4m3fn or float8_e5m2
     fp8_max: float
     # None: one scale for the whole tensor. Else (rows, cols) of a block of the
@@ -53,6 +54,7 @@ class Scheme:
 
 
 def scheme_for(recipe, role: str) -> Scheme:
+    """The Scheme `recipe` uses for tensors of `role` ("input", "weight" or "grad")."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     fmt = recipe.fp8_format

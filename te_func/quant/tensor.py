@@ -50,7 +50,9 @@ class DelayedState(NamedTuple):
 def _cast(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> torch.Tensor:
     # Saturate rather than overflow: torch's cast turns |v| > fp8_max into NaN
     # (E4M3) or inf (E5M2), TE's kernels clamp to the largest finite value.
-    return torch.clamp(x.float() * scale, -s.fp8_max, s.fp8_max).to(s.dtype)
+    # Row-major whatever x's strides (a transposed input, a gradient): cuBLAS's FP8
+    # GEMMs take only row-major x column-major operands.
+    return torch.clamp(x.float() * scale, -s.fp8_max, s.fp8_max).to(s.dtype, memory_format=torch.contiguous_format)
 
 
 def _blocked(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
