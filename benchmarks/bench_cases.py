@@ -131,21 +131,6 @@ def _compile(fn, w: Workload):
     return torch.compile(fn, fullgraph=True) if w.compiled else fn
 
 
-# "tef": tef.value_and_grad; "torch.func": torch.func.grad_and_value (see bench_compat.py).
-GRAD_IMPL = {"grad": "tef"}
-
-
-def _value_and_grad(loss_fn, argnums=0):
-    if GRAD_IMPL["grad"] == "tef":
-        return tef.value_and_grad(loss_fn, argnums=argnums)
-    vg = torch.func.grad_and_value(loss_fn, argnums=argnums, has_aux=True)
-
-    def value_and_grad(*args):
-        grads, (loss, new_ws) = vg(*args)
-        return loss, grads, new_ws
-    return value_and_grad
-
-
 def build(variant: str, w: Workload, inputs: Inputs, compile_ok: bool) -> Step:
     """The step of `variant` on workload `w`; raises what the variant raises when it cannot run."""
     if not compile_ok:
@@ -235,7 +220,7 @@ def _te_step(recipe, w: Workload, inputs: Inputs) -> Step:
         cache = w.kind == "train8_cache"
 
         def micro(params, ws, acc, x, dy, first):
-            _, grads, new_ws = _value_and_grad(loss_fn)(params, ws, x, dy, first)
+            _, grads, new_ws = tef.value_and_grad(loss_fn)(params, ws, x, dy, first)
             return (grads if acc is None else {k: acc[k] + g for k, g in grads.items()}), new_ws
         micro = _compile(micro, w)
 
@@ -247,5 +232,5 @@ def _te_step(recipe, w: Workload, inputs: Inputs) -> Step:
         return Step(train, _nbytes(params, ws, xs, dys), note)
 
     x, dy = inputs.get(t, h, _out_features(w))
-    step = _compile(_value_and_grad(loss_fn, argnums=(0, 2)), w)
+    step = _compile(tef.value_and_grad(loss_fn, argnums=(0, 2)), w)
     return Step(lambda: step(params, ws, x, dy, None), _nbytes(params, ws, x, dy), note)

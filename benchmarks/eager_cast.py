@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 import bench_cases as cases  # noqa: E402
 import te_func.kernels as kernels  # noqa: E402
-from run import _time_ms  # noqa: E402
+from run import time_ms  # noqa: E402
 from te_func.kernels import dispatch  # noqa: E402
 from te_func.quant import quantize_with_transpose, scheme_for  # noqa: E402
 from te_func.recipe import Float8CurrentScaling  # noqa: E402
@@ -49,7 +49,7 @@ def _time_setting(step, device, quick, on: bool, soft: bool = False):
         cast_module.SOFT_ROUND = soft
     before = dispatch.calls["fused"]
     out = step.fn()
-    return _time_ms(step.fn, device, quick), dispatch.calls["fused"] - before, out
+    return time_ms(step.fn, device, quick), dispatch.calls["fused"] - before, out
 
 
 def main(argv=None):
@@ -61,7 +61,7 @@ def main(argv=None):
     inputs, rows = cases.Inputs(device), []
     soft_default = getattr(dispatch._cast_module(), "SOFT_ROUND", False)
     for w in _workloads(args.quick):
-        base = _time_ms(cases.build("torch-bf16", w, inputs, compile_ok=False).fn, device, args.quick)
+        base = time_ms(cases.build("torch-bf16", w, inputs, compile_ok=False).fn, device, args.quick)
         rows.append({"workload": w.name, "variant": "torch-bf16", "ms": base, "vs bf16": 1.0})
         for variant in ["te-bf16", "te-current"] + (["te-delayed"] if w.kind == "linear" else []):
             step = cases.build(variant, w, inputs, compile_ok=False)
@@ -82,7 +82,7 @@ def main(argv=None):
         x = torch.randn(shape, device=device, dtype=torch.bfloat16)
         for name, on in [("off", False), ("on", True)]:
             kernels.set_cast_kernels(on)
-            ms = _time_ms(lambda: quantize_with_transpose(x, scheme), device, args.quick)
+            ms = time_ms(lambda: quantize_with_transpose(x, scheme), device, args.quick)
             gbytes = x.numel() * 4 / 1e9                 # bf16 read once + two FP8 copies written
             rows.append({"workload": f"cast_with_transpose_{'x'.join(map(str, shape))}", "kernels": name,
                          "ms": ms, "GB/s (4 B/element)": gbytes / (ms / 1e3)})

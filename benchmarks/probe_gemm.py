@@ -12,28 +12,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from run import time_ms  # noqa: E402
 from te_func.quant import dequantize, quantize_scheme, quantize_with_transpose, scheme_for  # noqa: E402
 from te_func.recipe import Float8BlockScaling, Float8CurrentScaling  # noqa: E402
 
 
-def bench_ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ev)
+def bench_ms(fn):
+    return time_ms(fn, torch.device("cuda"))
 
 
 def ceilings(res):

@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import bench_cases as cases  # noqa: E402
-import bench_compat as compat  # noqa: E402
 import bench_report as report  # noqa: E402
 
 
@@ -43,7 +42,7 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _time_ms(fn, device, quick: bool) -> float:
+def time_ms(fn, device, quick: bool = False) -> float:
     """Median milliseconds of one call; enough repeats for ~0.4 s (5 to 50); 2 with --quick on CPU."""
     if device.type != "cuda":
         times = []
@@ -115,7 +114,7 @@ def _warm(variant, w, inputs, args, device):
 
 def _measure(step, w, args, device):
     try:
-        ms = _time_ms(step.fn, device, args.quick)
+        ms = time_ms(step.fn, device, args.quick)
         peak = _peak_bytes(step, device)
     except Exception as e:
         return {"status": "error", "error": _error_text(e)}
@@ -130,14 +129,7 @@ def run_variants(variants, selected, args, device, barrier=None, lock=None):
     torch._dynamo.config.cache_size_limit = 256          # one step function, many models and shapes
     torch._dynamo.config.accumulated_cache_size_limit = 4096
     inputs = cases.Inputs(device)
-    warmed, compat_note = [], ""
-    if not args.quick and any(v in cases.TE_RECIPES for v in variants):
-        found = compat.probe(device, list(cases.TE_RECIPES.values()))
-        cases.GRAD_IMPL["grad"] = found["grad"]
-        if found["recipe_key_shim"] or found["grad"] != "tef":
-            compat_note = (f"compat: recipe_key shim={found['recipe_key_shim']}, grad={found['grad']} "
-                           f"(benchmarks/bench_compat.py)")
-        print(f"[compat] {found}", flush=True)
+    warmed = []
     for w in selected:
         for v in variants:
             if (w, v) not in selected[w]:
@@ -146,8 +138,6 @@ def run_variants(variants, selected, args, device, barrier=None, lock=None):
                 warmed.append((v, w, None, {"status": "skipped", "note": "--compile-budget-s ran out"}))
                 continue
             step, rec = _warm(v, w, inputs, args, device)
-            if compat_note and v in cases.TE_RECIPES and rec.get("status") != "n/a":
-                rec["note"] = (rec.get("note", "") + "; " + compat_note).lstrip("; ")
             warmed.append((v, w, step, rec))
             print(f"[warm] {w.name:32s} {v:14s} {rec.get('first_call_s', rec.get('status'))}", flush=True)
     if barrier is not None:
@@ -155,8 +145,7 @@ def run_variants(variants, selected, args, device, barrier=None, lock=None):
             barrier.wait()
         except Exception:   # another process died: time what is here anyway
             pass
-    results = [] if not compat_note else [{"variant": variants[0], "workload": "compat_probe", "kind": "probe",
-                                           "status": "n/a", "note": str(found)[:3000]}]
+    results = []
     with lock if lock is not None else _nullcontext():
         for v, w, step, rec in warmed:
             if step is not None:

@@ -16,8 +16,12 @@ __all__ = ["gemm", "native_fp8_gemm_available"]
 
 
 @functools.lru_cache(maxsize=None)
-def _device_has_fp8_gemm(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _device_capability(device: torch.device) -> tuple[int, int]:
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def native_fp8_gemm_available(device: torch.device) -> bool:
@@ -25,7 +29,7 @@ def native_fp8_gemm_available(device: torch.device) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    return _device_has_fp8_gemm(device.index if device.index is not None else torch.cuda.current_device())
+    return _device_capability(device) >= (8, 9)
 
 
 def _plain_2d(a: Quantized, b: Quantized) -> bool:
@@ -65,17 +69,7 @@ def _use_blockwise_scaled_mm(a: Quantized, b: Quantized) -> bool:
         # K/128 floats; unless that is a multiple of 16 bytes the result was wrong
         # on an H200 (input gradients at 3 dB, NaN). Emulate those.
         return False
-    return a.data.device.type == "cuda" and _device_is_hopper(a.data.device)
-
-
-def _device_is_hopper(device: torch.device) -> bool:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) == (9, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int):
-    return torch.cuda.get_device_capability(index)
+    return a.data.device.type == "cuda" and _device_capability(a.data.device) == (9, 0)   # Hopper
 
 
 def _pow2_blocks_on_gpu(a: Quantized, b: Quantized) -> bool:

@@ -65,23 +65,24 @@ def first_flag(n_micro: int, i: int):
     return None if n_micro == 1 else i == 0
 
 
-def simulate(recipe, schedule, observed):
+def simulate(recipe, schedule, keys, amax, entry):
     """Predicted state after each step: list of {entry name: np value}.
 
-    observed[step][micro] maps (layer, role) to the amax that tensor had.
+    keys: the (owner, role) pairs that have a state; amax(step, micro, owner, role): the
+    amax that tensor had; entry(owner, role): the state's entry name before `_amax_history`.
     """
-    states = {(l, r): RefState(recipe, r) for l in LAYERS for r in ROLES}
+    states = {(o, r): RefState(recipe, r) for o, r in keys}
     snapshots = []
     for step, n in enumerate(schedule):
         for i in range(n):
             first = first_flag(n, i)
-            for (layer, role), st in states.items():
+            for (owner, role), st in states.items():
                 if first is not False:
                     st.start_step()
                 if role == "weight" and first is False:
                     continue                           # the cached cast is reused: nothing measured
-                st.record(observed[step][i][(layer, role)])
-        snapshots.append({f"{l}.{r}_{k}": np.copy(getattr(st, attr)) for (l, r), st in states.items()
+                st.record(amax(step, i, owner, role))
+        snapshots.append({f"{entry(o, r)}_{k}": np.copy(getattr(st, attr)) for (o, r), st in states.items()
                           for k, attr in (("amax_history", "history"), ("scale", "scale"))})
     return snapshots
 
@@ -173,7 +174,8 @@ def assert_state_matches(got: dict, want: dict, where: str):
 
 def check_against_reference(recipe, snaps, schedule=SCHEDULE):
     _, _, observed = run_stateful(recipe, schedule, observe=True)
-    want = simulate(recipe, schedule, observed)
+    want = simulate(recipe, schedule, [(l, r) for l in LAYERS for r in ROLES],
+                    lambda s, i, l, r: observed[s][i][(l, r)], lambda l, r: f"{l}.{r}")
     for step, (got, w) in enumerate(zip(snaps, want)):
         assert_state_matches(got, w, f"after step {step}")
     return want

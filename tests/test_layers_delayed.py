@@ -9,7 +9,6 @@ which must predict every history and scale bit for bit.
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ import te_func as tef
 from cases import sqnr
 from te_func.ops.activations import ACTIVATIONS, activation_backward, activation_forward
 from te_func.recipe import DelayedScaling
-from test_delayed import RefState, assert_state_matches, first_flag
+from test_delayed import assert_state_matches, first_flag, simulate
 from test_layers import perturbed, ref_act, ref_mlp, ref_norm, reference_grads
 
 RECIPE = DelayedScaling(amax_history_len=4)
@@ -229,7 +228,6 @@ def test_layernorm_mlp_histories_hold_the_amaxes_of_its_tensors(activation):
     shell = tef.Stateful(mlp, RECIPE)
     opt = torch.optim.SGD(shell.parameters(), lr=1e-3)   # small: a stale weight scale would saturate
     schedule = (1, 2, 1)
-    ref = {(gemm, role): RefState(RECIPE, role) for gemm in ("fc1", "fc2") for role in ("input", "weight", "grad")}
     data, snaps, exact = [], [], []
     for n in schedule:
         weights = {k: v.detach().clone() for k, v in mlp.named_parameters()}
@@ -243,17 +241,10 @@ def test_layernorm_mlp_histories_hold_the_amaxes_of_its_tensors(activation):
         snaps.append({k: v.clone() for k, v in shell.workspaces.items() if k.endswith(("_amax_history", "_scale"))})
 
     observed = _observed_amaxes(mlp, activation, data)
-    for step, n in enumerate(schedule):
-        for i in range(n):
-            first = first_flag(n, i)
-            for (gemm, role), st in ref.items():
-                if first is not False:
-                    st.start_step()
-                if not (role == "weight" and first is False):       # a cached cast records nothing
-                    st.record(observed[step, i][f"{gemm}_{role}"])
-        want = {f"{g}_{r}_{k}": np.copy(getattr(st, a)) for (g, r), st in ref.items()
-                for k, a in (("amax_history", "history"), ("scale", "scale"))}
-        assert_state_matches(snaps[step], want, f"after step {step}")
+    keys = [(gemm, role) for gemm in ("fc1", "fc2") for role in ("input", "weight", "grad")]
+    want = simulate(RECIPE, schedule, keys, lambda s, i, g, r: observed[s, i][f"{g}_{r}"], lambda g, r: f"{g}_{r}")
+    for step in range(len(schedule)):
+        assert_state_matches(snaps[step], want[step], f"after step {step}")
     assert all(snaps[-1][f"{g}_grad_amax_history"][0] > 0 for g in ("fc1", "fc2"))
 
     # The observed amaxes against computations that do not involve te_func.
