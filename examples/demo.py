@@ -97,9 +97,6 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # On CUDA, GEMMs this small would run in high precision (FP8 does not pay below
-    # tef.set_fp8_min_gemm_size's threshold); the demo is about FP8's numerics, so force it.
-    tef.set_fp8_min_gemm_size(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     high = "bf16" if dtype == torch.bfloat16 else "fp32"
     print(f"te_func demo: {IN}-{HIDDEN}-{HIDDEN}-{OUT} MLP, {MICROBATCHES} microbatches x {TOKENS} tokens, "

@@ -22,10 +22,11 @@ another recipe, or with entries another model's layers would have, is refused
 with an error naming the entry.
 """
 from . import functional, nn, quant, recipe
-from .frame import autocast, functional_call, grad, init_workspaces, value_and_grad
-from .functional._common import set_check_finite, set_fp8_min_gemm_size
+from .frame import (autocast, functional_call, grad, init_workspaces, upgrade_workspaces, validate_workspaces,
+                    value_and_grad, workspace_spec)
+from .functional._common import set_check_finite
 from .shell import Stateful
 
 __all__ = ["functional", "nn", "quant", "recipe", "autocast", "functional_call", "grad",
-           "init_workspaces", "value_and_grad", "Stateful", "set_fp8_min_gemm_size",
-           "set_check_finite"]
+           "init_workspaces", "value_and_grad", "workspace_spec", "validate_workspaces",
+           "upgrade_workspaces", "Stateful", "set_check_finite"]

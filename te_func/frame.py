@@ -7,25 +7,22 @@ lets torch.func.grad, vmap and torch.compile see a pure function.
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 
 import torch
 from torch import nn
 
+from .functional._common import first_microbatch
 from .nn import TEModule
-from .nn.context import Frame, push
-from .quant import GRAD_HISTORY
-from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from .nn.context import Frame, GradScope, current_grad_scope, push, push_grad_scope
+from .quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, Entry, fingerprint_entry
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, fingerprint
 
-__all__ = ["init_workspaces", "functional_call", "autocast", "grad", "value_and_grad", "recipe_key",
-           "validate_workspaces", "backward_state_keys", "merge_backward_state"]
+__all__ = ["init_workspaces", "functional_call", "autocast", "grad", "value_and_grad", "workspace_spec",
+           "validate_workspaces", "backward_keys", "upgrade_workspaces"]
 
 _RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling)
-_RECIPE_PREFIX = "te_func.recipe="
-
-
-def recipe_key(recipe) -> str:
-    """The workspace entry whose name records the recipe the workspace was made for."""
-    return _RECIPE_PREFIX + ("None" if recipe is None else recipe._name)
 
 
 def _check_recipe(recipe):
@@ -44,66 +41,170 @@ def _prefix(path: str) -> str:
     return f"{path}." if path else ""
 
 
+def _layer_specs(model: nn.Module, recipe):
+    """(path, module, {op-local name: Entry}) of every te_func layer of `model`."""
+    return [(path, m, m.workspace_spec(recipe)) for path, m in _te_modules(model)]
+
+
+def workspace_spec(model: nn.Module, recipe) -> dict[str, Entry]:
+    """Every workspace entry `model` needs under `recipe`: key -> Entry(shape, dtype, backward)."""
+    _check_recipe(recipe)
+    spec = {_prefix(path) + k: e for path, _, s in _layer_specs(model, recipe) for k, e in s.items()}
+    spec[RECIPE_KEY] = RECIPE_ENTRY
+    return spec
+
+
+def backward_keys(model: nn.Module, recipe) -> list[str]:
+    """The entries of `model`'s workspaces that backward updates (DelayedScaling's grad histories)."""
+    return [k for k, e in workspace_spec(model, recipe).items() if e.backward]
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
 def init_workspaces(model: nn.Module, recipe) -> dict[str, torch.Tensor]:
     """Fresh workspaces for every te_func layer of `model` under `recipe`: a flat dict
-    keyed by module path, like a state_dict. Weight casts are made from the model's
-    current weights, so they are valid until the weights change."""
+    keyed by module path, like a state_dict, every entry on its layer's device. Weight
+    casts are made from the model's current weights, so they are valid until the weights change.
+
+    On CUDA the entries are marked static addresses (torch._dynamo.mark_static_address):
+    CUDA graphs (`torch.compile(mode="reduce-overhead")`) then read them in place, where a
+    workspace that a call passes through unchanged (cached casts at inference) would
+    otherwise be copied into the graph's buffers on every replay.
+    """
     _check_recipe(recipe)
     ws = {}
     for path, m in _te_modules(model):
         ws.update({_prefix(path) + k: v for k, v in m.init_workspace(recipe).items()})
-    ws[recipe_key(recipe)] = torch.empty(0)
+    ws[RECIPE_KEY] = fingerprint_entry(recipe, _device_of(model))
+    mark_static(ws.values())
     return ws
+
+
+def mark_static(tensors) -> None:
+    """Mark CUDA tensors as static inputs for CUDA graphs (see `init_workspaces`)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda and not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(t, guard=False)
+
+
+# Entries whose fingerprint was read already: id -> (weak reference, version, value). Reading
+# a CUDA tensor waits for the device; an eager loop passes the same entry call after call.
+_fingerprints_seen: dict[int, tuple] = {}
+
+
+def _recipe_made_for(t: torch.Tensor) -> tuple[int, int] | None:
+    """(format version, fingerprint) stored in a RECIPE_KEY entry, or None where it cannot be
+    read without breaking a transform (under torch.compile, inside vmap over stacked workspaces)."""
+    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return None
+    seen = _fingerprints_seen.get(id(t))
+    if seen is not None and seen[0]() is t and seen[1] == t._version:
+        return seen[2]
+    value = tuple(t.tolist())
+    _fingerprints_seen[id(t)] = (weakref.ref(t, lambda _, k=id(t): _fingerprints_seen.pop(k, None)),
+                                 t._version, value)
+    return value
+
+
+def _made_for_problem(ws: dict, recipe) -> tuple[type, str] | None:
+    """What is wrong with the RECIPE_KEY entry of `ws` for `recipe`, or None."""
+    t = ws.get(RECIPE_KEY)
+    if t is None:
+        old = [k for k in ws if k.startswith("te_func.recipe=")]
+        if old:
+            return ValueError, (f"these workspaces were written by te_func 0.1 (workspace format 1, made for "
+                                f"{old[0][len('te_func.recipe='):]}); convert them with "
+                                f"tef.upgrade_workspaces(old_ws, model, recipe) or make new ones with "
+                                f"tef.init_workspaces(model, recipe)")
+        return KeyError, (f"workspace entry {RECIPE_KEY!r} is missing: these are not workspaces from "
+                          f"tef.init_workspaces(model, recipe)")
+    if tuple(t.shape) != RECIPE_ENTRY.shape or t.dtype != RECIPE_ENTRY.dtype:
+        return ValueError, (f"workspace entry {RECIPE_KEY!r} has shape {tuple(t.shape)} and dtype {t.dtype}, "
+                            f"not {RECIPE_ENTRY.shape} int64: not a te_func workspace")
+    made_for = _recipe_made_for(t)
+    if made_for is None:
+        return None
+    version, fp = made_for
+    if version != FORMAT_VERSION:
+        return ValueError, (f"these workspaces are in te_func's workspace format {version}; this te_func reads "
+                            f"format {FORMAT_VERSION}: make new ones with tef.init_workspaces(model, recipe)")
+    if fp != fingerprint(recipe):
+        return ValueError, (f"these workspaces were made for another recipe (or other recipe options) than "
+                            f"{recipe!r}: make them with tef.init_workspaces(model, recipe) for the recipe you "
+                            f"run with, or, for a checkpoint, load the weights alone (Stateful.load_state_dict "
+                            f"with strict=False makes fresh workspaces)")
+    return None
+
+
+def _entry_problems(model, ws, recipe, owners: dict):
+    """Yields (exception class, message) for each entry of `ws` that does not fit `model`
+    under `recipe`; fills `owners` with {id(module): (path, entry names)}."""
+    expected = {RECIPE_KEY}
+    for path, m, spec in _layer_specs(model, recipe):
+        owners[id(m)] = (path, tuple(spec))
+        # A model on "meta" (the usual base of a vmapped ensemble) says nothing about devices.
+        device = next((p.device for p in m.parameters() if p.device.type != "meta"), None)
+        for name, (shape, dtype, _) in spec.items():
+            entry = _prefix(path) + name
+            expected.add(entry)
+            t = ws.get(entry)
+            if t is None:
+                yield KeyError, (f"workspace entry {entry!r} is missing: these workspaces were not made for "
+                                 f"this model (tef.init_workspaces(model, recipe) makes the right ones)")
+            elif tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                yield ValueError, (f"workspace entry {entry!r} has shape {tuple(t.shape)} and dtype {t.dtype}, "
+                                   f"but {type(m).__name__} at {path or '(root)'!r} needs {tuple(shape)} "
+                                   f"{dtype}: these workspaces belong to another model or recipe")
+            elif device is not None and t.device != device:
+                yield ValueError, (f"workspace entry {entry!r} is on {t.device} but {type(m).__name__} at "
+                                   f"{path or '(root)'!r} is on {device}: move the workspaces "
+                                   f"({{k: v.to(device) for k, v in ws.items()}}) or make them after "
+                                   f"model.to(device)")
+    extra = sorted(set(ws) - expected)
+    if extra:
+        yield KeyError, (f"workspace entries {extra[:5]} belong to no te_func layer of this model: these "
+                         f"workspaces were made for another model")
 
 
 def validate_workspaces(model, ws, recipe):
     """Check that `ws` holds every entry `model` needs under `recipe`, with the right
-    shape and dtype, and no other; raise an error naming the first entry that does not.
+    shape, dtype and device, no other, and was made for `recipe`; raise an error naming
+    what does not fit (the recipe first, then the first entry).
 
     Returns {id(module): (its path, its entry names)} for the frame.
     """
     if not isinstance(ws, dict):
         raise TypeError(f"workspaces must be the dict from tef.init_workspaces(model, recipe), got {type(ws).__name__}")
-    key = recipe_key(recipe)
-    owners, expected, problems = {}, {key}, []
-    for path, m in _te_modules(model):
-        spec = m.workspace_spec(recipe)
-        owners[id(m)] = (path, tuple(spec))
-        # A model on "meta" (the usual base of a vmapped ensemble) says nothing about devices.
-        device = next((p.device for p in m.parameters() if p.device.type != "meta"), None)
-        for name, (shape, dtype) in spec.items():
-            entry = _prefix(path) + name
-            expected.add(entry)
-            t = ws.get(entry)
-            if t is None:
-                problems.append((KeyError, f"workspace entry {entry!r} is missing: these workspaces were not "
-                                           f"made for this model (tef.init_workspaces(model, recipe) makes the "
-                                           f"right ones)"))
-            elif tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                problems.append((ValueError, f"workspace entry {entry!r} has shape {tuple(t.shape)} and dtype "
-                                             f"{t.dtype}, but {type(m).__name__} at {path or '(root)'!r} needs "
-                                             f"{tuple(shape)} {dtype}: these workspaces belong to another model "
-                                             f"or recipe"))
-            elif device is not None and t.device != device:
-                problems.append((ValueError, f"workspace entry {entry!r} is on {t.device} but {type(m).__name__} "
-                                             f"at {path or '(root)'!r} is on {device}: move the workspaces "
-                                             f"({{k: v.to(device) for k, v in ws.items()}}) or make them after "
-                                             f"model.to(device)"))
-    if key not in ws:
-        made_for = [k[len(_RECIPE_PREFIX):] for k in ws if k.startswith(_RECIPE_PREFIX)]
-        shapes = [msg for cls, msg in problems if cls is ValueError]
-        raise ValueError(f"these workspaces were made for recipe {made_for[0] if made_for else '(unknown)'} "
-                         f"but the call uses {key[len(_RECIPE_PREFIX):]}; make them with "
-                         f"tef.init_workspaces(model, recipe) for the recipe you run with"
-                         + (f" ({shapes[0]})" if shapes else ""))
-    if problems:
-        cls, msg = problems[0]
+    _check_recipe(recipe)
+    owners = {}
+    first_entry = next(_entry_problems(model, ws, recipe, owners), None)
+    made_for = _made_for_problem(ws, recipe)
+    if made_for is not None:
+        cls, msg = made_for
+        raise cls(msg + (f" ({first_entry[1]})" if first_entry is not None else ""))
+    if first_entry is not None:
+        cls, msg = first_entry
         raise cls(msg)
-    extra = sorted(set(ws) - expected)
-    if extra:
-        raise KeyError(f"workspace entries {extra[:5]} belong to no te_func layer of this model: these "
-                       f"workspaces were made for another model")
     return owners
+
+
+# torch.func.functional_call swaps the given tensors into the module's attributes for the
+# duration of the call: two threads calling it on one model would see each other's. Each
+# model's eager calls therefore take turns; compiled code reads its inputs, not the attributes.
+_locks: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_locks_lock = threading.Lock()
+
+
+def _model_lock(model: nn.Module):
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    with _locks_lock:
+        lock = _locks.get(model)
+        if lock is None:
+            lock = _locks[model] = threading.RLock()
+    return lock
 
 
 def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *, recipe,
@@ -116,11 +217,13 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
     quantizes and stores. A layer called again within the call runs as False.
     A layer's own `is_first_microbatch=` argument, when given, wins.
     """
-    _check_recipe(recipe)
     owners = validate_workspaces(model, ws, recipe)
+    scope = current_grad_scope()
+    if scope is not None:
+        scope.backward_keys.update(k for k, e in workspace_spec(model, recipe).items() if e.backward)
     args = args if isinstance(args, tuple) else (args,)
-    frame = Frame(recipe, ws, owners, is_first_microbatch)
-    with push(frame):
+    frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"))
+    with _model_lock(model), push(frame):
         out = torch.func.functional_call(model, params, args, kwargs or {})
     return out, {**ws, **frame.updates}
 
@@ -143,24 +246,16 @@ def _split_aux(out, fn_name):
     return out
 
 
-def backward_state_keys(ws: dict) -> list[str]:
-    """The entries backward updates: DelayedScaling's grad-role amax histories."""
-    return [k for k in ws if k.endswith(GRAD_HISTORY)]
-
-
-def merge_backward_state(new_ws: dict, state_grads: dict) -> dict:
-    """new_ws with each grad history combined with its "gradient" by elementwise max.
-
-    That gradient is the history with the backward amax recorded in slot 0,
-    so max merges it, also across microbatches; a sum would add amaxes.
-    """
-    return {**new_ws, **{k: torch.maximum(new_ws[k], g) for k, g in state_grads.items()}}
+def _carries_state(t) -> bool:
+    # The entries a backward can write to: float32 ones (amax histories, among scales and
+    # scale factors). The frame says afterwards which of them backward did write.
+    return isinstance(t, torch.Tensor) and t.dtype == torch.float32
 
 
 def _grad_and_value(fn, argnums, fn_name, args, kwargs):
     """torch.func.grad_and_value of fn(params, ws, ...) -> (loss, new_ws) w.r.t. `argnums`
-    and the grad histories in ws. Returns (grads, loss, new_ws), the backward-time
-    state merged into new_ws."""
+    and the workspace entries that backward updates. Returns (grads, loss, new_ws), the
+    backward-time state merged into new_ws."""
     if len(args) < 2 or not isinstance(args[1], dict):
         raise TypeError(f"{fn_name}: call it as f(params, ws, ...), ws being the workspace dict from "
                         f"tef.init_workspaces; got {len(args)} positional argument(s)")
@@ -168,20 +263,35 @@ def _grad_and_value(fn, argnums, fn_name, args, kwargs):
     if 1 in nums:
         raise ValueError(f"{fn_name}: argnums must not include 1 (the workspaces): they are state, not "
                          f"parameters; their backward-time updates come back in new_ws")
-    state = {k: args[1][k] for k in backward_state_keys(args[1])}
+    # Which entries backward updates is known only to the functional_calls inside fn (each
+    # knows its model): differentiate every entry that can carry such state, and merge what
+    # the calls declare (te_func.quant.workspace.Entry.backward) into new_ws.
+    state = {k: v for k, v in args[1].items() if _carries_state(v)}
+    scope = GradScope()
 
     def with_state(*a, **k):
         # Not `*user, st = a`: dynamo in torch 2.11 traces that starred target as a tuple and
         # then breaks the graph at the item assignment below.
         user, st = list(a[:-1]), a[-1]
-        user[1] = {**user[1], **st}   # the histories as separate inputs, so that they get gradients
+        user[1] = {**user[1], **st}   # the entries as separate inputs, so that they get gradients
         return _split_aux(fn(*user, **k), fn_name)
 
-    grads, (loss, new_ws) = torch.func.grad_and_value(with_state, argnums=nums + (len(args),), has_aux=True)(
-        *args, state, **kwargs)
+    with push_grad_scope(scope):
+        grads, (loss, new_ws) = torch.func.grad_and_value(with_state, argnums=nums + (len(args),), has_aux=True)(
+            *args, state, **kwargs)
     *grads, state_grads = grads
     grads = grads[0] if isinstance(argnums, int) else tuple(grads)
-    return grads, loss, merge_backward_state(new_ws, state_grads)
+    return grads, loss, merge_backward_state(new_ws, {k: state_grads[k] for k in scope.backward_keys
+                                                      if k in state_grads})
+
+
+def merge_backward_state(new_ws: dict, state_grads: dict) -> dict:
+    """new_ws with each grad history combined with its "gradient" by elementwise max.
+
+    That gradient is zero but for slot 0, the backward amax (te_func.ops.gemm_layer.backward_amax),
+    so the max records it in the current step's slot, also across microbatches; a sum would add amaxes.
+    """
+    return {**new_ws, **{k: torch.maximum(new_ws[k], g) for k, g in state_grads.items()}}
 
 
 def grad(fn, argnums=0):
@@ -202,3 +312,48 @@ def value_and_grad(fn, argnums=0):
         grads, loss, new_ws = _grad_and_value(fn, argnums, "tef.value_and_grad", args, kwargs)
         return loss, grads, new_ws
     return wrapped
+
+
+# --- workspaces written by te_func 0.1 ----------------------------------------------------------
+
+# The fields recipes had in workspace format 1, whose repr named the workspace's recipe.
+_FORMAT1_FIELDS = {
+    "DelayedScaling": ("margin", "fp8_format", "amax_history_len", "amax_compute_algo", "reduce_amax"),
+    "Float8CurrentScaling": ("fp8_format", "fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"),
+    "MXFP8BlockScaling": ("fp8_format",),
+    "Float8BlockScaling": ("fp8_format", "fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad",
+                           "x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"),
+}
+
+
+def _format1_repr(recipe) -> str:
+    if recipe is None:
+        return "None"
+
+    def value(v):
+        if type(v).__name__ == "QParams":   # its format-1 fields
+            return f"QParams(power_2_scale={v.power_2_scale!r}, amax_epsilon={v.amax_epsilon!r})"
+        return repr(v)
+
+    name = type(recipe).__name__
+    return f"{name}({', '.join(f'{f}={value(getattr(recipe, f))}' for f in _FORMAT1_FIELDS[name])})"
+
+
+def upgrade_workspaces(old: dict, model: nn.Module, recipe) -> dict:
+    """Workspaces written by te_func 0.1 (format 1: the recipe's repr and `made_by=` entries in
+    key names), as this version keeps them. Refused unless `old` was made for `recipe`."""
+    _check_recipe(recipe)
+    made_for = [k[len("te_func.recipe="):] for k in old if k.startswith("te_func.recipe=")]
+    if not made_for:
+        raise ValueError("upgrade_workspaces: these are not format-1 workspaces (no 'te_func.recipe=...' entry)")
+    if made_for[0] != _format1_repr(recipe):
+        raise ValueError(f"upgrade_workspaces: these workspaces were made for {made_for[0]}, not "
+                         f"{_format1_repr(recipe)}")
+    spec = workspace_spec(model, recipe)
+    device = _device_of(model)
+    # Entries kept as they were: casts, states; dropped: the recipe and made_by= markers, and
+    # the second (shared) copy of a tensor-wise scale_inv.
+    new = {k: v.clone() for k, v in old.items() if k in spec and k != RECIPE_KEY}
+    new[RECIPE_KEY] = fingerprint_entry(recipe, device)
+    validate_workspaces(model, new, recipe)
+    return new

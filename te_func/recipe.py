@@ -5,25 +5,44 @@ constant, and a workspace remembers which recipe made it by value.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 __all__ = ["Format", "QParams", "DelayedScaling", "Float8CurrentScaling",
-           "MXFP8BlockScaling", "Float8BlockScaling", "Recipe", "ROLES"]
+           "MXFP8BlockScaling", "Float8BlockScaling", "Recipe", "ROLES", "fingerprint"]
 
 # The tensors a GEMM layer quantizes: its input (activations), its weight,
 # and the gradient of its output in backward.
 ROLES = ("input", "weight", "grad")
 
 
-def _remember_name(recipe) -> None:
-    # The recipe's repr names the workspaces made for it (see te_func.frame).
-    # Computed once here: torch.compile cannot trace a dataclass repr, but
-    # reads a string attribute of a constant recipe as a constant.
-    object.__setattr__(recipe, "_name", repr(recipe))
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2   # 62 bits
+
+
+def _remember_fingerprint(recipe) -> None:
+    # Workspaces record which recipe made them by this number (te_func.quant.workspace).
+    # Its text is the class and the fields that differ from their defaults, so a field
+    # added later (with its default) leaves the fingerprints of existing recipes alone.
+    # Computed once here: torch.compile reads an attribute of a constant recipe as a
+    # constant, but would not trace sha256.
+    changed = [f"{f.name}={getattr(recipe, f.name)!r}" for f in dataclasses.fields(recipe)
+               if getattr(recipe, f.name) != _default(f)]
+    object.__setattr__(recipe, "_fingerprint", _digest(f"{type(recipe).__name__}({', '.join(changed)})"))
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def fingerprint(recipe) -> int:
+    """A 62-bit number that names `recipe` (None: high precision) by value."""
+    return _digest("None") if recipe is None else recipe._fingerprint
 
 
 class Format(enum.Enum):
@@ -78,7 +97,7 @@ class DelayedScaling:
             raise ValueError(f"DelayedScaling.amax_history_len must be >= 1, got {self.amax_history_len}")
         if not isinstance(self.fp8_format, Format):
             raise TypeError(f"fp8_format must be a te_func.recipe.Format, got {self.fp8_format!r}")
-        _remember_name(self)
+        _remember_fingerprint(self)
 
 
 @dataclass(frozen=True)
@@ -90,7 +109,7 @@ class Float8CurrentScaling:
     fp8_quant_bwd_grad: QParams = field(default_factory=QParams)
 
     def __post_init__(self):
-        _remember_name(self)
+        _remember_fingerprint(self)
 
     def qparams(self, role: str) -> QParams:
         return {"input": self.fp8_quant_fwd_inp, "weight": self.fp8_quant_fwd_weight,
@@ -103,7 +122,7 @@ class MXFP8BlockScaling:
     fp8_format: Format = Format.E4M3
 
     def __post_init__(self):
-        _remember_name(self)
+        _remember_fingerprint(self)
 
 
 @dataclass(frozen=True)
@@ -124,7 +143,7 @@ class Float8BlockScaling:
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"Float8BlockScaling.{name} must be 1 (1x128) or 2 (128x128)")
-        _remember_name(self)
+        _remember_fingerprint(self)
 
     def qparams(self, role: str) -> QParams:
         return {"input": self.fp8_quant_fwd_inp, "weight": self.fp8_quant_fwd_weight,

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .frame import backward_state_keys, functional_call, init_workspaces, validate_workspaces
+from .frame import (backward_keys, functional_call, init_workspaces, mark_static, upgrade_workspaces,
+                    validate_workspaces)
 
 __all__ = ["Stateful"]
 
@@ -44,7 +45,7 @@ class Stateful(nn.Module):
         # merges into self.workspaces by max. The leaves live in a plain dict,
         # not as parameters or buffers, so no optimizer or state_dict sees them.
         sinks = {}
-        for key in backward_state_keys(self.workspaces):
+        for key in backward_keys(self.model, self.recipe):
             sink = torch.zeros_like(self.workspaces[key]).requires_grad_()
             sink.register_post_accumulate_grad_hook(lambda t, key=key: self._absorb(key, t))
             sinks[key] = sink
@@ -86,7 +87,13 @@ class Stateful(nn.Module):
         device = next(self.model.parameters(), torch.empty(0)).device
         ws = {k[len(_WS):]: v.to(device) for k, v in state_dict.items() if k.startswith(_WS)}
         rest = {k: v for k, v in state_dict.items() if not k.startswith(_WS)}
-        if not ws and not strict:
+        if any(k.startswith("te_func.recipe=") for k in ws):     # written by te_func 0.1
+            ws = upgrade_workspaces(ws, self.model, self.recipe)
+        if not ws:
+            if strict:
+                raise KeyError("Stateful.load_state_dict: the checkpoint has no workspace entries (workspaces.*): "
+                               "it holds weights only. Load it with strict=False, which loads the weights and "
+                               "makes fresh workspaces from them")
             result = super().load_state_dict(rest, strict=strict, assign=assign)
             self.reset_workspaces()
             return result
@@ -96,6 +103,7 @@ class Stateful(nn.Module):
             raise type(e)(f"Stateful.load_state_dict: the checkpoint does not fit this shell "
                           f"(recipe={self.recipe!r}): {e.args[0]}") from None
         result = super().load_state_dict(rest, strict=strict, assign=assign)
+        mark_static(ws.values())
         self.workspaces = ws
         self._make_grad_sinks()
         return result

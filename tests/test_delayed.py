@@ -467,12 +467,11 @@ def test_a_checkpoint_that_does_not_fit_gives_a_clear_error():
     short = tef.init_workspaces(model, DelayedScaling(amax_history_len=4))
     shell = tef.Stateful(model, DelayedScaling(amax_history_len=8))
     sd = {**shell.state_dict(), **{f"workspaces.{k}": v for k, v in short.items()}}
-    sd = {k: v for k, v in sd.items() if not (k.startswith("workspaces.te_func.recipe") and "len=8" in k)}
-    with pytest.raises(ValueError, match=r"0\.input_amax_history.*\(4,\).*\(8,\)"):
+    with pytest.raises(ValueError, match=r"another recipe.*0\.input_amax_history.*\(4,\).*\(8,\)"):
         shell.load_state_dict(sd)
     with pytest.raises(ValueError, match=r"0\.input_amax_history"):
         tef.functional_call(model, params, short, (x,), recipe=DelayedScaling(amax_history_len=8))
-    with pytest.raises(ValueError, match="made for recipe Float8CurrentScaling"):
+    with pytest.raises(ValueError, match=r"made for another recipe .* than DelayedScaling"):
         tef.functional_call(model, params, tef.init_workspaces(model, Float8CurrentScaling()), (x,),
                             recipe=DelayedScaling(amax_history_len=4))
     missing = {k: v for k, v in short.items() if k != "2.grad_scale"}

@@ -1,13 +1,21 @@
-"""Run the python examples in README.md and docs/**/*.md.
+"""Run the python examples in README.md and docs/**/*.md, and check what they print.
 
 Every fenced block whose info string is ``python`` is executed. The blocks of
 one file run in order in a single namespace, so a later block may use names
 defined by an earlier one; each file is one test, with its path as the id.
 
+What a block prints is checked: a block that prints must be followed by a
+fenced block whose info string is ``output``, holding what it prints
+(doctest's rules: ``...`` stands for any text, runs of whitespace compare
+equal). A block that prints and has no output block fails.
+
 Tag a block ``python no-run`` to show it without running it (for code that
 needs a GPU, a network, or is deliberately incomplete).
 """
 
+import contextlib
+import doctest
+import io
 import linecache
 import re
 from pathlib import Path
@@ -22,10 +30,21 @@ _FENCE = re.compile(
     r"^(?P<fence>`{3,})[ \t]*(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=fence)[ \t]*$",
     re.MULTILINE | re.DOTALL,
 )
+_CHECKER = doctest.OutputChecker()
+_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
 def _python_blocks(text):
-    return [m["body"] for m in _FENCE.finditer(text) if m["info"].strip() == "python"]
+    """[(source, expected output or None)] of the runnable blocks, in order."""
+    fences = list(_FENCE.finditer(text))
+    blocks = []
+    for i, m in enumerate(fences):
+        if m["info"].strip() != "python":
+            continue
+        nxt = fences[i + 1] if i + 1 < len(fences) else None
+        follows = nxt is not None and nxt["info"].strip() == "output" and not text[m.end():nxt.start()].strip()
+        blocks.append((m["body"], nxt["body"] if follows else None))
+    return blocks
 
 
 def _doc_files():
@@ -40,8 +59,16 @@ def test_doc_examples(path, tmp_path, monkeypatch):
     torch.manual_seed(0)
     rel = path.relative_to(ROOT).as_posix()
     namespace = {"__name__": "__docs__"}
-    for i, src in enumerate(_python_blocks(path.read_text(encoding="utf-8"))):
+    for i, (src, expected) in enumerate(_python_blocks(path.read_text(encoding="utf-8"))):
         name = f"{rel}:block{i}"
         # Lets tracebacks show the failing line of the doc, not "???".
         linecache.cache[name] = (len(src), None, src.splitlines(True), name)
-        exec(compile(src, name, "exec"), namespace)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(src, name, "exec"), namespace)
+        got = printed.getvalue()
+        if expected is None:
+            assert not got, f"{name} prints but no ```output block follows it:\n{got}"
+        else:
+            assert _CHECKER.check_output(expected, got, _FLAGS), \
+                f"{name} printed\n{got}\nbut its ```output block says\n{expected}"

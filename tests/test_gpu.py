@@ -20,14 +20,6 @@ pytestmark = pytest.mark.cuda
 FP8_RECIPES = [pytest.param(r, id=rid) for rid, r in RECIPES if r is not None]
 
 
-@pytest.fixture(autouse=True)
-def fp8_at_every_size():
-    # On CUDA, GEMMs too small for FP8 to pay run in high precision by default; these
-    # small test layers must run in FP8.
-    previous = tef.set_fp8_min_gemm_size(0)
-    yield
-    tef.set_fp8_min_gemm_size(previous)
-
 # (M, K, N): aligned ones take torch._scaled_mm on FP8 GPUs; K or N not a multiple of 16
 # (or of 128 for blocks) must fall back to the emulation, not crash.
 SHAPES = [(256, 512, 384), (128, 256, 128), (64, 100, 48), (32, 64, 40), (17, 48, 33), (130, 260, 96)]
@@ -185,23 +177,19 @@ def test_compiled_train_step_on_cuda_equals_eager(cuda, recipe):
 def test_linear_takes_non_contiguous_inputs_and_gradients_on_cuda(cuda, recipe):
     """A transposed input and a transposed output gradient: the casts come out row-major,
     which cuBLAS's FP8 GEMMs need, and the result equals the contiguous run."""
-    previous = tef.set_fp8_min_gemm_size(0)
-    try:
-        model = torch.nn.Sequential(tef.nn.Linear(256, 128, device=cuda))
-        ws = tef.init_workspaces(model, recipe)
-        x_t = torch.randn(256, 64, device=cuda).t()                    # (64, 256), column-major
-        g_t = torch.randn(128, 64, device=cuda).t()                    # (64, 128), column-major
+    model = torch.nn.Sequential(tef.nn.Linear(256, 128, device=cuda))
+    ws = tef.init_workspaces(model, recipe)
+    x_t = torch.randn(256, 64, device=cuda).t()                    # (64, 256), column-major
+    g_t = torch.randn(128, 64, device=cuda).t()                    # (64, 128), column-major
 
-        def loss_fn(params, ws, x, g):
-            out, new_ws = tef.functional_call(model, params, ws, (x,), recipe=recipe)
-            return (out * g).sum(), new_ws
+    def loss_fn(params, ws, x, g):
+        out, new_ws = tef.functional_call(model, params, ws, (x,), recipe=recipe)
+        return (out * g).sum(), new_ws
 
-        params = detached_params(model)
-        (grads, dx), _ = tef.grad(loss_fn, argnums=(0, 2))(params, ws, x_t, g_t)
-        (want, want_dx), _ = tef.grad(loss_fn, argnums=(0, 2))(params, ws, x_t.contiguous(), g_t.contiguous())
-        # The same FP8 casts feed the same GEMMs; only the bias gradient's sum runs in
-        # another order over a column-major gradient.
-        assert torch.equal(dx, want_dx) and torch.equal(grads["0.weight"], want["0.weight"])
-        assert torch.allclose(grads["0.bias"], want["0.bias"], rtol=1e-5, atol=1e-5)
-    finally:
-        tef.set_fp8_min_gemm_size(previous)
+    params = detached_params(model)
+    (grads, dx), _ = tef.grad(loss_fn, argnums=(0, 2))(params, ws, x_t, g_t)
+    (want, want_dx), _ = tef.grad(loss_fn, argnums=(0, 2))(params, ws, x_t.contiguous(), g_t.contiguous())
+    # The same FP8 casts feed the same GEMMs; only the bias gradient's sum runs in
+    # another order over a column-major gradient.
+    assert torch.equal(dx, want_dx) and torch.equal(grads["0.weight"], want["0.weight"])
+    assert torch.allclose(grads["0.bias"], want["0.bias"], rtol=1e-5, atol=1e-5)

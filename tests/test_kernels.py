@@ -147,11 +147,7 @@ def test_linear_under_grad_matches_the_torch_path(device, kernels_on, recipe):
         out, new_w = tef.functional_call(model, p, w, (x,), recipe=recipe, is_first_microbatch=None)
         return out.square().mean(), new_w
 
-    previous = tef.set_fp8_min_gemm_size(0)     # FP8 at this small size on CUDA too
-    try:
-        fused, reference = both_paths(lambda: tef.value_and_grad(loss_fn, argnums=(0, 2))(params, ws, x))
-    finally:
-        tef.set_fp8_min_gemm_size(previous)
+    fused, reference = both_paths(lambda: tef.value_and_grad(loss_fn, argnums=(0, 2))(params, ws, x))
     assert_same_bits(fused, reference)
 
 

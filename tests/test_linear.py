@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import te_func as tef
-import te_func.quant.weight as weight_module
+import te_func.quant.workspace as workspace_module
 from cases import RECIPES, detached_params
-from te_func.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
+from te_func.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, QParams
 
 FP8_RECIPES = [pytest.param(r, id=rid) for rid, r in RECIPES if r is not None]
 ALL_RECIPES = [pytest.param(r, id=rid) for rid, r in RECIPES]
@@ -91,15 +91,15 @@ def test_params_dtype_sets_parameters_and_output_dtype(dtype, recipe):
 
 @pytest.fixture
 def weight_casts(monkeypatch):
-    """Counts weight quantizations (quantize_weight's quantize_with_transpose calls)."""
+    """Counts weight quantizations (every weight cast is made by te_func.quant.workspace.make_cast)."""
     calls = []
-    real = weight_module.quantize_with_transpose
+    real = workspace_module.quantize_with_transpose
 
     def counting(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(weight_module, "quantize_with_transpose", counting)
+    monkeypatch.setattr(workspace_module, "quantize_with_transpose", counting)
     return calls
 
 
@@ -273,10 +273,14 @@ def test_workspaces_of_another_model_are_refused():
 
 def test_workspaces_made_for_another_recipe_are_refused():
     layer = tef.nn.Linear(32, 16)
-    ws = tef.init_workspaces(layer, MXFP8BlockScaling())
-    with pytest.raises(ValueError, match=r"made for recipe MXFP8BlockScaling.*but the call uses "
-                                         r"Float8CurrentScaling"):
-        tef.functional_call(layer, detached_params(layer), ws, (torch.randn(4, 32),), recipe=CURRENT)
+    x = torch.randn(4, 32)
+    # Another layout, and the same layout made with other options (power-of-2 scales): the
+    # workspace's te_func_recipe entry tells them apart, read once per call.
+    for other in (MXFP8BlockScaling(), Float8CurrentScaling(fp8_quant_fwd_weight=QParams(power_2_scale=True))):
+        ws = tef.init_workspaces(layer, other)
+        with pytest.raises(ValueError, match=r"made for another recipe \(or other recipe options\) than "
+                                             r"Float8CurrentScaling"):
+            tef.functional_call(layer, detached_params(layer), ws, (x,), recipe=CURRENT)
     with pytest.raises(TypeError, match="recipe must be None or a te_func.recipe recipe"):
         tef.init_workspaces(layer, "fp8")
 
@@ -344,7 +348,7 @@ def test_stateful_loads_a_weights_only_checkpoint_with_strict_false():
     source = torch.nn.Sequential(tef.nn.Linear(16, 8))
     shell = tef.Stateful(torch.nn.Sequential(tef.nn.Linear(16, 8)), recipe)
     weights_only = {f"model.{k}": v for k, v in source.state_dict().items()}
-    with pytest.raises(ValueError, match="does not fit this shell"):
+    with pytest.raises(KeyError, match=r"no workspace entries .*weights only.*strict=False"):
         shell.load_state_dict(weights_only)                     # strict: the workspaces are missing
     shell.load_state_dict(weights_only, strict=False)
     assert torch.equal(shell.model[0].weight, source[0].weight)

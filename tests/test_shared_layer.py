@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import te_func as tef
-import te_func.quant.weight as qweight
+import te_func.quant.workspace as qweight
 from te_func.recipe import DelayedScaling, Float8CurrentScaling
 
 

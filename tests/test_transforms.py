@@ -85,7 +85,8 @@ def double(inputs: tuple) -> tuple:
 @pytest.mark.parametrize("case, recipe", MATRIX)
 def test_eager_call_equals_functional_call(case, recipe):
     """Outside any frame a module computes in high precision; under tef.autocast(recipe) it
-    computes what functional_call computes with that recipe and no cache."""
+    computes what functional_call computes with that recipe and no cache (a layer with no FP8
+    state, a norm, runs there under DelayedScaling too)."""
     s = make_setup(case, recipe)
     params = detached_params(s.model)
     hp, _ = tef.functional_call(s.model, params, tef.init_workspaces(s.model, None), s.inputs, s.kwargs,
@@ -93,7 +94,7 @@ def test_eager_call_equals_functional_call(case, recipe):
     assert torch.equal(case.output(s.model(*s.inputs, **s.kwargs)), case.output(hp))
     if recipe is None:
         return
-    if needs_state(recipe):
+    if needs_state(recipe) and s.model.gemms():
         with pytest.raises(RuntimeError, match="tef.autocast has nowhere to keep"):
             with tef.autocast(recipe):
                 s.model(*s.inputs, **s.kwargs)

@@ -6,19 +6,18 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..ops.gemm_layer import GemmConfig
-from ..ops.grouped_linear import grouped_linear_fp8
-from ._common import (cast_weight, check_input, gemm_recipe, grad_sink, needs_weight_grad, schemes,
-                      state_entries, state_names, step_states)
+from ..ops import GroupedLinearFP8, call
+from ..quant import Gemm
+from ._common import check_input, first_microbatch
+from ._gemm import GemmStep
 
-__all__ = ["grouped_linear", "split_sizes"]
+__all__ = ["grouped_linear", "split_sizes", "grouped_gemms"]
 
 
-def gemm_state_names(i: int) -> dict[str, str]:
-    """GEMM i's DelayedScaling states: `gemm{i}_input`, `weight{i}` (as its parameter and its
-    `weight{i}_cast` entries), `gemm{i}_grad`. One set per GEMM, as TE keeps one FP8 meta
-    slot per GEMM and role."""
-    return state_names(f"gemm{i}_", f"weight{i}")
+def grouped_gemms(num_gemms: int) -> tuple[Gemm, ...]:
+    """GEMM i keeps its cast as `weight{i}_cast.*` and its states as `gemm{i}_input`, `weight{i}`,
+    `gemm{i}_grad`: one set per GEMM, as TE keeps one FP8 meta slot per GEMM and role."""
+    return tuple(Gemm(f"weight{i}", f"gemm{i}_") for i in range(num_gemms))
 
 
 def split_sizes(m_splits, num_gemms: int, tokens: int, layer: str = "GroupedLinear") -> list[int]:
@@ -63,9 +62,8 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
     inp: (tokens, in_features), or (..., in_features) flattened to tokens; the first
     m_splits[0] tokens use weights[0], the next m_splits[1] weights[1], and so on.
     weights[i]: (out_features, in_features); biases[i]: (out_features,) or None.
-    workspace: this op's entries (`weight{i}_cast.*`; under DelayedScaling also the
-    `_amax_history` and `_scale` of `gemm{i}_input`, `weight{i}`, `gemm{i}_grad`), or None
-    to cache nothing.
+    workspace: this op's entries (te_func.quant.workspace, GEMM i as `grouped_gemms`
+    names it), or None to start empty.
     Returns `(out, new_workspace)`, out (..., out_features) in inp's dtype.
     """
     layer = "GroupedLinear"
@@ -90,34 +88,19 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
                          f"then specialized to those sizes. A tensor m_splits compiles in high "
                          f"precision (recipe=None) and works in eager mode with every recipe")
     sizes = split_sizes(m_splits, n, x.shape[0], layer)
-    # One precision for the whole group (its GEMMs share their weights' shape),
-    # decided by the mean group: per-group choices would mix recipes in one call.
-    recipe = gemm_recipe(recipe, inp.device, x.shape[0] // n, in_features, out_features)
     workspace = {} if workspace is None else workspace
     if recipe is None:
         outs = [F.linear(xi, w.to(x.dtype), None if b is None else b.to(x.dtype))
                 for xi, w, b in zip(torch.split(x, sizes), weights, biases)]
         out, entries = torch.cat(outs), {}
     else:
-        names = [gemm_state_names(i) for i in range(n)]
-        states = step_states(recipe, workspace, {k: v for ns in names for k, v in ns.items()},
-                             is_first_microbatch)                                   # None unless delayed
-        casts, entries = [], {}
-        for i, w in enumerate(weights):
-            cast, e = cast_weight(f"weight{i}", w, recipe, workspace, is_first_microbatch,
-                                  state=None if states is None else states[f"weight{i}"])
-            casts.append(cast)
-            entries.update(e)
-        cfg = GemmConfig(*schemes(recipe), save_input=any(needs_weight_grad(w) for w in weights))
-        if states is None:
-            out, _ = grouped_linear_fp8(x, sizes, weights, biases, casts, cfg)      # (tokens, out)
-        else:
-            out, new_inputs = grouped_linear_fp8(
-                x, sizes, weights, biases, casts, cfg,
-                x_states=[states[f"gemm{i}_input"] for i in range(n)],
-                g_states=[states[f"gemm{i}_grad"] for i in range(n)],
-                g_sinks=[grad_sink(workspace, states, ns) for ns in names])
-            for i, new_input in enumerate(new_inputs):
-                entries.update(state_entries({f"gemm{i}_input": new_input,
-                                              f"gemm{i}_grad": states[f"gemm{i}_grad"]}))
+        ifm = first_microbatch(is_first_microbatch, layer)
+        steps = [GemmStep.begin(g, w, recipe, workspace, ifm, prefix=f"g{i}.")
+                 for i, (g, w) in enumerate(zip(grouped_gemms(n), weights))]
+        tensors = {k: v for st in steps for k, v in st.tensors().items()}
+        res = call(GroupedLinearFP8(tuple(st.slot for st in steps), tuple(sizes)), x=x,
+                   **{f"weight{i}": w for i, w in enumerate(weights)},
+                   **{f"bias{i}": b for i, b in enumerate(biases)}, **tensors)
+        out = res["out"]                                                            # (tokens, out)
+        entries = {k: v for st in steps for k, v in st.entries(res).items()}
     return out.reshape(*inp.shape[:-1], out_features), {**workspace, **entries}

@@ -4,16 +4,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops.gemm_layer import GemmConfig
-from ..ops.layernorm_linear import layernorm_linear_fp8
+from ..ops import LayerNormLinearFP8, call
 from ..ops.normalization import norm_reference
-from ._common import (cast_weight, check_input, gemm_recipe, grad_sink, needs_weight_grad, schemes,
-                      state_entries, state_names, step_states)
+from ..quant import Gemm
+from ._common import check_input, first_microbatch
 from ._fused import check_norm_params, norm_config
+from ._gemm import GemmStep
 
-__all__ = ["layernorm_linear"]
+__all__ = ["layernorm_linear", "LAYERNORM_LINEAR_GEMMS"]
 
-_STATES = state_names()   # input (the normalized output), weight, grad: as Linear's
+LAYERNORM_LINEAR_GEMMS = (Gemm("weight"),)   # its input state is the normalized output's
 
 
 def layernorm_linear(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor | None,
@@ -25,8 +25,7 @@ def layernorm_linear(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.
 
     inp: (..., in_features); ln_weight, ln_bias: (in_features,) (ln_bias None for RMSNorm);
     weight: (out_features, in_features); bias: (out_features,).
-    workspace: this op's entries (`weight_cast.*`; under DelayedScaling also
-    `{input,weight,grad}_amax_history` and `_scale`), or None to cache nothing.
+    workspace: this op's entries (te_func.quant.workspace), or None to start empty.
     Returns `(out, new_workspace)`, out (..., out_features) in inp's dtype, or
     `((out, ln_out), new_workspace)` with return_layernorm_output, ln_out (..., in_features).
     """
@@ -36,24 +35,18 @@ def layernorm_linear(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.
                                           "weight": weight, "bias": bias}, recipe)
     check_norm_params(layer, in_features, ln_weight, ln_bias, normalization)
     norm_cfg = norm_config(layer, normalization, eps, zero_centered_gamma)
-    recipe = gemm_recipe(recipe, inp.device, inp.numel() // in_features, in_features, out_features)
     workspace = {} if workspace is None else workspace
     if recipe is None:
         ln_out = norm_reference(inp, ln_weight, ln_bias, norm_cfg)
         out = F.linear(ln_out, weight.to(inp.dtype), None if bias is None else bias.to(inp.dtype))
         entries = {}
     else:
-        states = step_states(recipe, workspace, _STATES, is_first_microbatch)     # None unless DelayedScaling
-        cast, entries = cast_weight("weight", weight, recipe, workspace, is_first_microbatch,
-                                    state=None if states is None else states["weight"])
-        cfg = GemmConfig(*schemes(recipe), save_input=needs_weight_grad(weight))
+        step = GemmStep.begin(LAYERNORM_LINEAR_GEMMS[0], weight, recipe, workspace,
+                              first_microbatch(is_first_microbatch, layer))
         x = inp.reshape(-1, in_features)                                            # (tokens, in)
-        out, ln_out, new_input = layernorm_linear_fp8(
-            x, ln_weight, ln_bias, weight, bias, cast, cfg, norm_cfg,
-            x_state=None if states is None else states["input"],
-            g_state=None if states is None else states["grad"], g_sink=grad_sink(workspace, states, _STATES))
-        if states is not None:
-            entries.update(state_entries({"input": new_input, "grad": states["grad"]}))
-        out, ln_out = out.reshape(*inp.shape[:-1], out_features), ln_out.reshape(inp.shape)
+        res = call(LayerNormLinearFP8(step.slot, norm_cfg), x=x, ln_weight=ln_weight, ln_bias=ln_bias,
+                   weight=weight, bias=bias, **step.tensors())
+        out, ln_out = res["out"].reshape(*inp.shape[:-1], out_features), res["ln_out"].reshape(inp.shape)
+        entries = step.entries(res)
     new_workspace = {**workspace, **entries}
     return ((out, ln_out) if return_layernorm_output else out), new_workspace

@@ -1,20 +1,41 @@
 """The call context a te_func module reads when it runs: recipe and workspace entries.
 
 `te_func.frame` pushes a `Frame` around a model call; each te_func module
-finds its own entries by its path in the model. This is the only global
-state in te_func, and it is only read below the frame: modules never keep
-what they read, so a model stays a plain parameter holder.
+finds its own entries by its path in the model. Frames live on a per-thread
+stack (two threads may run one model at once, each in its own frame); this
+is the only global state in te_func, it is only read below the frame, and
+modules never keep what they read, so a model stays a plain parameter holder.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
+
+import torch
+from torch._C import _functorch
 
 from ..recipe import DelayedScaling
 
-__all__ = ["Frame", "push", "bind"]
+__all__ = ["Frame", "GradScope", "push", "bind", "current_grad_scope", "transform_level"]
 
-_STACK: list["Frame"] = []
+_local = threading.local()
+
+
+def _stack(name: str) -> list:
+    stack = getattr(_local, name, None)
+    if stack is None:
+        stack = []
+        setattr(_local, name, stack)
+    return stack
+
+
+def transform_level() -> int | None:
+    """The torch.func transform level code runs at now (None outside any), or None
+    while torch.compile traces (dynamo tracks the transforms itself there)."""
+    if torch.compiler.is_compiling():
+        return None
+    return _functorch.maybe_current_level()
 
 
 @dataclass
@@ -26,15 +47,42 @@ class Frame:
     owners: dict = field(default_factory=dict)
     is_first_microbatch: bool | None = None
     updates: dict = field(default_factory=dict)    # entries written during this call
+    level: int | None = None                       # transform_level() when the frame was pushed
+
+
+@dataclass
+class GradScope:
+    """Opened by tef.grad around its function: each functional_call inside adds the
+    workspace entries its model updates in backward."""
+    backward_keys: set = field(default_factory=set)
 
 
 @contextlib.contextmanager
-def push(frame: Frame):
-    _STACK.append(frame)
+def _pushed(name: str, item):
+    stack = _stack(name)
+    stack.append(item)
     try:
-        yield frame
+        yield item
     finally:
-        _STACK.pop()
+        popped = stack.pop()
+        if popped is not item:   # a frame left open by code that bypassed this context manager
+            stack.clear()
+            raise RuntimeError("te_func: the frame stack was corrupted (a frame was pushed without being "
+                               "popped); all frames were dropped")
+
+
+def push(frame: Frame):
+    frame.level = transform_level()
+    return _pushed("frames", frame)
+
+
+def push_grad_scope(scope: GradScope):
+    return _pushed("grad_scopes", scope)
+
+
+def current_grad_scope() -> GradScope | None:
+    stack = _stack("grad_scopes")
+    return stack[-1] if stack else None
 
 
 def bind(module, layer: str, is_first_microbatch: bool | None):
@@ -42,11 +90,12 @@ def bind(module, layer: str, is_first_microbatch: bool | None):
 
     `commit(new_workspace)` hands the module's updated entries back to the frame.
     """
-    if not _STACK:
+    stack = _stack("frames")
+    if not stack:
         return None, None, None, _discard
-    frame = _STACK[-1]
+    frame = stack[-1]
     if frame.workspaces is None:  # tef.autocast: quantize, cache nothing
-        if isinstance(frame.recipe, DelayedScaling):
+        if isinstance(frame.recipe, DelayedScaling) and module.gemms():
             raise RuntimeError(
                 f"{layer}: DelayedScaling keeps amax histories and scales between steps, which "
                 f"tef.autocast has nowhere to keep. Run the model through tef.functional_call(model, params, "
@@ -78,9 +127,30 @@ def bind(module, layer: str, is_first_microbatch: bool | None):
         ifm = False
 
     def commit(new_workspace: dict):
+        _check_level(frame, layer, path, new_workspace)
         frame.updates.update({prefix + k: v for k, v in new_workspace.items()})
 
     return frame.recipe, local, ifm, commit
+
+
+def _check_level(frame: Frame, layer: str, path: str, entries: dict):
+    # A torch.func transform opened inside the model's forward (vmap over part of
+    # it, a grad inside it) wraps what the layer computed; stored in the workspaces
+    # those wrappers would escape their transform.
+    if frame.level is None and torch.compiler.is_compiling():
+        return
+    here = transform_level()
+    if here == frame.level:
+        return
+    outer = -1 if frame.level is None else frame.level
+    for name, t in entries.items():
+        if isinstance(t, torch.Tensor) and _functorch.maybe_get_level(t) > outer:
+            raise RuntimeError(
+                f"{layer} at {path or '(root)'!r} ran inside a torch.func transform (vmap, grad, ...) "
+                f"opened inside the model's forward, so its new workspace entry {name!r} belongs to that "
+                f"transform and cannot leave it. Apply the transform around tef.functional_call (e.g. "
+                f"torch.func.vmap(lambda x: tef.functional_call(model, params, ws, (x,), recipe=...))) "
+                f"instead of inside the model")
 
 
 def _discard(new_workspace):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import functional as F
-from ..functional.grouped_linear import gemm_state_names
+from ..functional.grouped_linear import grouped_gemms
 from .module import TEModule, make_param, te_init
 
 __all__ = ["GroupedLinear"]
@@ -42,7 +42,7 @@ class GroupedLinear(TEModule):
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
 
     def gemms(self):
-        return [(f"weight{i}", gemm_state_names(i)) for i in range(self.num_gemms)]
+        return grouped_gemms(self.num_gemms)
 
     def forward(self, inp: torch.Tensor, m_splits, *, is_first_microbatch: bool | None = None):
         recipe, ws, ifm, commit = self._bind(is_first_microbatch)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import functional as F
-from ..functional._common import state_names
+from ..functional.layernorm_linear import LAYERNORM_LINEAR_GEMMS
 from ._fused import add_norm_params, te_outputs
 from .module import TEModule, make_param, te_init
 
@@ -37,7 +37,7 @@ class LayerNormLinear(TEModule):
         self.bias = make_param((out_features,), params_dtype, device) if bias else None
 
     def gemms(self):
-        return [("weight", state_names())]
+        return LAYERNORM_LINEAR_GEMMS
 
     def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None):
         recipe, ws, ifm, commit = self._bind(is_first_microbatch)

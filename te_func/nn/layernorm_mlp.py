@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import functional as F
-from ..functional._common import state_names
+from ..functional.layernorm_mlp import LAYERNORM_MLP_GEMMS
 from ..ops.activations import check_activation, is_gated
 from ._fused import add_norm_params, te_outputs
 from .module import TEModule, make_param, te_init
@@ -44,8 +44,7 @@ class LayerNormMLP(TEModule):
         self.fc2_bias = make_param((hidden_size,), params_dtype, device) if bias else None
 
     def gemms(self):
-        return [("fc1_weight", state_names("fc1_", "fc1_weight")),
-                ("fc2_weight", state_names("fc2_", "fc2_weight"))]
+        return LAYERNORM_MLP_GEMMS
 
     def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None):
         recipe, ws, ifm, commit = self._bind(is_first_microbatch)

@@ -4,71 +4,39 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quant import Quantizer, delayed_state_spec, init_delayed_state, quantize_weight, weight_cast_spec
-from ..recipe import DelayedScaling
+from ..quant import Entry, Gemm
 from . import context
 
-__all__ = ["TEModule", "weight_cast_entries", "delayed_state_entries"]
+__all__ = ["TEModule"]
 
 
 class TEModule(nn.Module):
     """A parameter holder whose forward runs one `te_func.functional` op.
 
-    Subclasses list their FP8 GEMMs in `gemms()`; the layer's workspace (a
-    cast per weight, DelayedScaling states per GEMM) follows from that list.
+    Subclasses list their FP8 GEMMs in `gemms()`; the layer's workspace (per
+    GEMM, te_func.quant.workspace's entries) follows from that list.
     """
 
-    def gemms(self) -> list[tuple[str, dict[str, str]]]:
-        """(weight parameter name, the GEMM's state names -> roles) of each FP8 GEMM;
-        state names as `te_func.functional._common.state_names` makes them."""
-        return []
+    def gemms(self) -> tuple[Gemm, ...]:
+        """The layer's FP8 GEMMs, as its functional op declares them."""
+        return ()
 
-    def workspace_spec(self, recipe) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Entry name -> (shape, dtype) of every entry this layer needs under `recipe`."""
-        return self._entries(recipe, spec=True)
+    def workspace_spec(self, recipe) -> dict[str, Entry]:
+        """Entry name -> Entry (shape, dtype, updated in backward) of every entry this layer needs."""
+        spec = {}
+        for g in self.gemms():
+            spec.update(g.entries(getattr(self, g.weight).shape, recipe))
+        return spec
 
     def init_workspace(self, recipe) -> dict[str, torch.Tensor]:
         """Fresh entries: casts of the current weights, initial DelayedScaling states."""
-        return self._entries(recipe, spec=False)
-
-    def _entries(self, recipe, spec: bool) -> dict:
         entries = {}
-        for name, states in self.gemms():
-            weight = getattr(self, name)
-            entries.update(weight_cast_entries(name, weight, recipe, spec))
-            entries.update(delayed_state_entries(states, recipe, spec, device=weight.device))
+        for g in self.gemms():
+            entries.update(g.write(g.init(getattr(self, g.weight), recipe), recipe))
         return entries
 
     def _bind(self, is_first_microbatch):
         return context.bind(self, type(self).__name__, is_first_microbatch)
-
-
-def weight_cast_entries(name: str, weight: torch.Tensor, recipe, spec: bool):
-    """The `{name}_cast.*` entries of one weight: their (shape, dtype), or a fresh cast."""
-    if recipe is None:
-        return {}
-    if spec:
-        return {f"{name}_cast.{k}": v for k, v in weight_cast_spec(weight.shape, Quantizer(recipe)).items()}
-    # The initial cast is a placeholder (a step's first call quantizes anew); under
-    # DelayedScaling it is made with the initial scale, 1.
-    state = init_delayed_state(recipe, weight.device) if isinstance(recipe, DelayedScaling) else None
-    _, entries = quantize_weight(weight.detach(), Quantizer(recipe), None, True, state)
-    return {f"{name}_cast.{k}": v for k, v in entries.items() if k not in ("amax_history", "scale")}
-
-
-def delayed_state_entries(names, recipe, spec: bool, device=None):
-    """The DelayedScaling state entries `{name}_amax_history`, `{name}_scale` of each
-    state name in `names`: their (shape, dtype), or fresh ones (history of zeros,
-    scale 1). Empty for other recipes."""
-    if not isinstance(recipe, DelayedScaling):
-        return {}
-    out = {}
-    for name in names:
-        if spec:
-            out.update({f"{name}_{k}": v for k, v in delayed_state_spec(recipe).items()})
-        else:
-            out[f"{name}_amax_history"], out[f"{name}_scale"] = init_delayed_state(recipe, device)
-    return out
 
 
 def make_param(shape, dtype, device, init=None) -> nn.Parameter:

@@ -1,5 +1,10 @@
-"""Autograd Functions: tensors in, tensors out; no module, no dict, no global state."""
-from .gemm_layer import GemmConfig, backward_gemm, forward_gemm
-from .linear import linear_fp8
+"""The layers' math between one autograd boundary: tensors in, tensors out, by name."""
+from .boundary import GradContext, call
+from .gemm_layer import GemmConfig, GemmSlot, backward_gemm, forward_gemm
+from .grouped_linear import GroupedLinearFP8
+from .layernorm_linear import LayerNormLinearFP8
+from .layernorm_mlp import LayerNormMLPFP8
+from .linear import LinearFP8
 
-__all__ = ["GemmConfig", "backward_gemm", "forward_gemm", "linear_fp8"]
+__all__ = ["GradContext", "call", "GemmConfig", "GemmSlot", "backward_gemm", "forward_gemm", "LinearFP8",
+           "LayerNormLinearFP8", "LayerNormMLPFP8", "GroupedLinearFP8"]

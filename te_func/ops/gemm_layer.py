@@ -1,10 +1,21 @@
-"""The FP8 GEMM halves every GEMM layer's autograd Function is built from.
+"""The FP8 GEMM every GEMM layer's op is built from: `GemmSlot`.
 
-`forward_gemm` quantizes the input once (both copies, when backward needs
-the weight gradient) and runs the forward GEMM; `backward_gemm` quantizes
-the output gradient and runs the input- and weight-gradient GEMMs. Linear,
-LayerNormLinear, LayerNormMLP and GroupedLinear differ only in what they
-do around these calls.
+A slot is one GEMM's part of an op (te_func.ops.boundary): the tensors it
+reads and returns, by name under its prefix, and its two halves. Forward
+quantizes the GEMM input once (both copies when backward needs the weight
+gradient) and runs the forward GEMM; backward quantizes the output gradient
+once and runs the input- and weight-gradient GEMMs. Linear, LayerNormLinear,
+LayerNormMLP and GroupedLinear differ only in what they do around their slots.
+
+Tensors of a slot with prefix p (None where the recipe keeps no such state):
+    inputs   p+w, p+w_scale_inv          the weight's cast (out, in)
+             p+w_t, p+w_t_scale_inv      the cast of weight.T (in, out), for the input gradient
+             p+x_history, p+x_scale      DelayedScaling: the GEMM input's state for this step
+             p+g_history, p+g_scale      ... and the output gradient's
+             p+g_sink                    the grad history's workspace entry: its "gradient" carries
+                                         the backward amax (see `backward_amax`)
+    outputs  p+new_x_history             the input history with this call's amax recorded
+             p+xt, p+xt_scale_inv        the input's cast along tokens, for the weight gradient
 """
 from __future__ import annotations
 
@@ -13,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from ..gemm import gemm
-from ..quant import DelayedState, Quantized, Scheme, quantize_scheme, quantize_with_transpose
+from ..quant import DelayedState, Quantized, Scheme, WeightCast, quantize_scheme, quantize_with_transpose
 
-__all__ = ["GemmConfig", "forward_gemm", "backward_gemm", "delayed_state", "grad_history_gradient"]
+__all__ = ["GemmConfig", "GemmSlot", "forward_gemm", "backward_gemm"]
 
 
 @dataclass(frozen=True)
@@ -60,22 +71,75 @@ def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized
     return dx, dw, new_state
 
 
-# DelayedScaling through an autograd Function. A Function takes tensors, so a
-# GEMM layer's Function takes, per GEMM, five optional tensors (None for the
-# stateless recipes): x_history, x_scale (the input role's state), g_sink,
-# g_history, g_scale (the grad role's). The states arrive already updated for
-# the step (te_func.functional._common.step_states); forward returns the input
-# history with this call's amax recorded as a non-differentiable output, and
-# backward returns the grad history with the grad-output amax recorded as the
-# "gradient" of g_sink, the raw workspace entry: tef.grad and tef.Stateful
-# collect it from there ("overwrite with gradient", as Flax and TE-JAX do).
-
-
-def delayed_state(history: torch.Tensor | None, scale: torch.Tensor | None) -> DelayedState | None:
-    """The (amax history (L,), scale ()) pair a Function received, or None without state."""
+def _state(history, scale) -> DelayedState | None:
     return None if history is None else DelayedState(history, scale)
 
 
-def grad_history_gradient(new_g_state: DelayedState | None, wanted: bool) -> torch.Tensor | None:
-    """What backward returns for g_sink: the recorded grad history (L,), or None."""
-    return new_g_state.amax_history if wanted and new_g_state is not None else None
+@dataclass(frozen=True)
+class GemmSlot:
+    """One FP8 GEMM inside an op: its config and the prefix of its tensors' names."""
+    cfg: GemmConfig
+    prefix: str = ""
+
+    def _n(self, name: str) -> str:
+        return self.prefix + name
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return tuple(map(self._n, ("new_x_history", "xt", "xt_scale_inv")))
+
+    @property
+    def saved(self) -> tuple[str, ...]:
+        return tuple(map(self._n, ("w_t", "w_t_scale_inv", "xt", "xt_scale_inv", "g_history", "g_scale")))
+
+    def inputs(self, cast: WeightCast, x_state: DelayedState | None, g_state: DelayedState | None,
+               g_sink: torch.Tensor | None) -> dict:
+        """This slot's input tensors by name, from the GEMM's weight cast and states for this call."""
+        x_history, x_scale = (None, None) if x_state is None else x_state
+        g_history, g_scale = (None, None) if g_state is None else g_state
+        return {self._n(k): v for k, v in (
+            ("w", cast.rowwise.data), ("w_scale_inv", cast.rowwise.scale_inv),
+            ("w_t", cast.columnwise.data), ("w_t_scale_inv", cast.columnwise.scale_inv),
+            ("x_history", x_history), ("x_scale", x_scale),
+            ("g_sink", g_sink), ("g_history", g_history), ("g_scale", g_scale))}
+
+    def new_input_state(self, outputs: dict, x_state: DelayedState | None) -> DelayedState | None:
+        """The input role's state after the call: `x_state` with this call's amax recorded."""
+        return None if x_state is None else DelayedState(outputs[self._n("new_x_history")], x_state.scale)
+
+    def forward(self, t: dict, x: torch.Tensor, bias: torch.Tensor | None):
+        """x (tokens, in) -> (out (tokens, out) in x's dtype, this slot's outputs by name)."""
+        n, cfg = self._n, self.cfg
+        w = Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block)
+        out, xq_t, new_x = forward_gemm(x, w, bias, cfg, _state(t[n("x_history")], t[n("x_scale")]))
+        return out, {n("new_x_history"): None if new_x is None else new_x.amax_history,
+                     n("xt"): None if xq_t is None else xq_t.data,
+                     n("xt_scale_inv"): None if xq_t is None else xq_t.scale_inv}
+
+    def backward(self, s: dict, grad_out: torch.Tensor, need_dx: bool, dx_dtype: torch.dtype | None,
+                 weight: str, ctx):
+        """grad_out (tokens, out) -> (dx (tokens, in) or None, dw or None, {g_sink's name: its gradient}).
+
+        `weight` names the op input whose gradient dw is (computed when ctx.need says so).
+        """
+        n, cfg = self._n, self.cfg
+        need_dw = ctx.need[weight]
+        if need_dw and s[n("xt")] is None:
+            raise RuntimeError(f"te_func: the gradient of {weight} was requested but the forward ran without "
+                               f"saving that GEMM's input ({weight}.requires_grad was False then)")
+        w_t = Quantized(s[n("w_t")], s[n("w_t_scale_inv")], cfg.weight.block) if need_dx else None
+        xq_t = Quantized(s[n("xt")], s[n("xt_scale_inv")], cfg.input.block) if need_dw else None
+        dx, dw, new_g = backward_gemm(grad_out, w_t, xq_t, cfg, dx_dtype, ctx.dtype.get(weight),
+                                      _state(s[n("g_history")], s[n("g_scale")]))
+        sink = n("g_sink")
+        return dx, dw, {sink: backward_amax(new_g) if ctx.need.get(sink) else None}
+
+
+def backward_amax(new_g: DelayedState | None) -> torch.Tensor | None:
+    """The grad history's "gradient": zeros, but for slot 0, which holds the amax this backward
+    recorded. Merged by max into whatever the history is when backward runs, it lands in the
+    current step's slot, as in TE, also when another step's forward ran in between."""
+    if new_g is None:
+        return None
+    history = new_g.amax_history
+    return torch.cat([history[:1], torch.zeros_like(history[1:])])

@@ -23,16 +23,7 @@ from ..recipe import DelayedScaling
 from .scheme import scheme_for
 from .tensor import DelayedState
 
-__all__ = ["delayed_update", "delayed_state_spec", "init_delayed_state", "GRAD_HISTORY"]
-
-# The workspace entries that backward updates all end with this: the
-# gradient role's history, which comes back as a "gradient" (see te_func.frame.grad).
-GRAD_HISTORY = "grad_amax_history"
-
-
-def delayed_state_spec(recipe: DelayedScaling) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The entries of one role's state: `amax_history` (amax_history_len,) and `scale` (), float32."""
-    return {"amax_history": ((recipe.amax_history_len,), torch.float32), "scale": ((), torch.float32)}
+__all__ = ["delayed_update", "init_delayed_state"]
 
 
 def init_delayed_state(recipe: DelayedScaling, device=None) -> DelayedState:

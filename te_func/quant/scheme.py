@@ -28,15 +28,6 @@ class Scheme:
     power_2_scale: bool = False
     margin: int = 0
 
-    def __post_init__(self):
-        # Names the scheme in workspace entry names (te_func.quant.weight.made_by).
-        # Computed once here: torch.compile reads a string attribute of a constant
-        # as a constant, but cannot trace str() of a dtype or a dataclass repr.
-        block = "tensor" if self.block is None else "x".join(map(str, self.block))
-        object.__setattr__(self, "_name", f"{str(self.dtype).removeprefix('torch.')}/{block}/{self.rule}"
-                                          f"/eps={self.amax_epsilon!r}/pow2={int(self.power_2_scale)}"
-                                          f"/margin={self.margin}")
-
     @property
     def scale_dtype(self) -> torch.dtype:
         return torch.float8_e8m0fnu if self.rule == "e8m0" else torch.float32

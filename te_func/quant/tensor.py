@@ -136,8 +136,10 @@ def transpose(q: Quantized) -> Quantized:
     """The cast of x.T from the cast of x, for schemes whose blocks are square."""
     if q.block is not None and q.block[0] != q.block[1]:
         raise ValueError(f"a {q.block} block cast cannot be transposed: quantize x.T instead")
-    scale_inv = q.scale_inv if q.block is None else q.scale_inv.t().contiguous()
-    return Quantized(q.data.t().contiguous(), scale_inv, q.block)
+    # clone, not contiguous(): a transpose that is already contiguous (one block of scales)
+    # would otherwise share storage with the original, which a checkpoint cannot hold twice.
+    scale_inv = q.scale_inv if q.block is None else q.scale_inv.t().clone(memory_format=torch.contiguous_format)
+    return Quantized(q.data.t().clone(memory_format=torch.contiguous_format), scale_inv, q.block)
 
 
 def quantize_with_transpose(x: torch.Tensor, s: Scheme, state: DelayedState | None = None):

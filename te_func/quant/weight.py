@@ -1,23 +1,21 @@
-"""Weight casts cached across microbatches, as explicit workspace entries.
+"""Weight casts cached across microbatches (TE's `is_first_microbatch`), without mutation.
 
-A weight's workspace is a small dict holding both copies of its FP8 cast:
-`data`/`scale_inv` (blocks along in_features, for the forward GEMM) and
-`data_t`/`scale_inv_t` (the cast of weight.T, for the input-gradient GEMM).
-Nothing here mutates the dict: a new one is returned.
+`quantize_weight` reads and returns the cast as a small flat dict whose
+entries `te_func.quant.workspace.cast_entries` defines: `data` / `scale_inv`
+(blocks along in_features, for the forward GEMM), `data_t` (the cast of
+weight.T, for the input-gradient GEMM) and, for block scales, `scale_inv_t`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from .scheme import Scheme, scheme_for
-from .tensor import DelayedState, Quantized, quantize_with_transpose
+from .tensor import DelayedState
+from .workspace import CAST_FIELDS, WeightCast, cast_entries, cast_from_flat, cast_to_flat, make_cast
 
-__all__ = ["Quantizer", "WeightCast", "quantize_weight", "weight_cast_spec", "made_by", "CAST_FIELDS"]
-
-CAST_FIELDS = ("data", "scale_inv", "data_t", "scale_inv_t")
+__all__ = ["Quantizer", "WeightCast", "quantize_weight", "cast_weight", "CAST_FIELDS"]
 
 
 @dataclass(frozen=True)
@@ -31,40 +29,31 @@ class Quantizer:
         return scheme_for(self.recipe, self.role)
 
 
-class WeightCast(NamedTuple):
-    rowwise: Quantized      # cast of weight (out, in): forward GEMM
-    columnwise: Quantized   # cast of weight.T (in, out): input-gradient GEMM
-
-
-def made_by(scheme: Scheme) -> str:
-    """The name of the (empty) entry that records which scheme made a cast.
-
-    Casts of two recipes can share every shape and dtype (exact vs power-of-2
-    scales, current vs delayed); the name tells them apart without reading
-    data, so the check costs nothing and compiles to nothing.
-    """
-    return "made_by=" + scheme._name
-
-
-def weight_cast_spec(shape, quantizer: Quantizer) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The entries a valid cache of a weight of `shape` holds: name -> (shape, dtype)."""
-    s = quantizer.scheme
-    out_f, in_f = shape
-    return {"data": ((out_f, in_f), s.dtype), "scale_inv": (s.scale_shape((out_f, in_f)), s.scale_dtype),
-            "data_t": ((in_f, out_f), s.dtype), "scale_inv_t": (s.scale_shape((in_f, out_f)), s.scale_dtype),
-            made_by(s): ((0,), torch.float32)}
-
-
-def _valid(weight: torch.Tensor, quantizer: Quantizer, workspace) -> bool:
-    # Unlike TE, validity covers shape, dtype, format and scaling layout: a cast
-    # made for another weight or recipe is never reused.
-    if workspace is None:
-        return False
-    for name, (shape, dtype) in weight_cast_spec(weight.shape, quantizer).items():
-        t = workspace.get(name)  # a cast made by another scheme lacks this scheme's made_by entry
+def _fits(weight: torch.Tensor, s: Scheme, flat: dict) -> bool:
+    # Metadata only (no data is read): shape, dtype and device of every entry. Which
+    # recipe made the cast is checked once per call by the frame (the workspace's
+    # te_func_recipe entry); TE checks only that the cast has the usage it needs.
+    for name, (shape, dtype, _) in cast_entries(tuple(weight.shape), s).items():
+        t = flat.get(name)
         if t is None or tuple(t.shape) != shape or t.dtype != dtype or t.device != weight.device:
             return False
     return True
+
+
+def cast_weight(weight: torch.Tensor, s: Scheme, cached: WeightCast | None, cache: bool | None,
+                state: DelayedState | None = None):
+    """The typed core of `quantize_weight`: returns (WeightCast, new_state, fresh).
+
+    `cached` is the stored cast (or None); `new_state` is `state` with the weight's
+    amax recorded when the cast is fresh, `state` itself on a cache hit (which
+    records nothing, as in TE).
+    """
+    if cache is False and cached is not None and _fits(weight, s, cast_to_flat(cached, s)):
+        return cached, state, False
+    # The cast is a constant of the step: no gradient flows through it (the GEMM
+    # layer returns the weight gradient to the weight itself).
+    cast, new_state = make_cast(weight.detach(), s, state)
+    return cast, new_state, True
 
 
 def quantize_weight(weight: torch.Tensor, quantizer: Quantizer, workspace: dict | None,
@@ -72,25 +61,19 @@ def quantize_weight(weight: torch.Tensor, quantizer: Quantizer, workspace: dict 
     """Return `(WeightCast, new_workspace)` for a 2-D weight.
 
     cache (TE's `is_first_microbatch`): True and None quantize and store the
-    cast; False reuses the stored cast when it is valid for this weight and
-    quantizer (same shape, dtype, device and scheme: see `made_by`), else
-    quantizes and stores. `state` is the
-    weight's DelayedState; it is returned updated inside the workspace only on
-    a fresh cast (a cache hit records no amax).
+    cast; False reuses the stored cast when its entries fit this weight
+    (shape, dtype, device), else quantizes and stores. `state`, the weight's
+    DelayedState, has the weight's amax recorded on a fresh cast; it is not
+    stored in the returned dict (the GEMM's workspace keeps it).
+    Nothing is mutated: other entries of `workspace` are passed through.
     """
     workspace = {} if workspace is None else workspace
-    if cache is False and _valid(weight, quantizer, workspace):
-        w = workspace
-        return WeightCast(Quantized(w["data"], w["scale_inv"], quantizer.scheme.block),
-                          Quantized(w["data_t"], w["scale_inv_t"], quantizer.scheme.block)), workspace
-    # The cast is a constant of the step: no gradient flows through it (the
-    # GEMM layer returns the weight gradient to the weight itself).
-    q, q_t, new_state = quantize_with_transpose(weight.detach(), quantizer.scheme, state)
-    new_workspace = {k: v for k, v in workspace.items() if not k.startswith("made_by=")}
-    if new_state is not None:
-        new_workspace["amax_history"], new_workspace["scale"] = new_state
+    s = quantizer.scheme
+    cached = cast_from_flat(workspace, s) if _fits(weight, s, workspace) else None
+    cast, _, fresh = cast_weight(weight, s, cached, cache, state)
+    if not fresh:
+        return cast, workspace
     # cache=None stores the fresh cast as well (TE would leave the old one in
     # place): then no later cache=False call can pick up the cast of older weights.
-    new_workspace.update(data=q.data, scale_inv=q.scale_inv, data_t=q_t.data, scale_inv_t=q_t.scale_inv)
-    new_workspace[made_by(quantizer.scheme)] = torch.empty(0, device=weight.device)
-    return WeightCast(q, q_t), new_workspace
+    kept = {k: v for k, v in workspace.items() if k not in CAST_FIELDS}   # no field of an older layout survives
+    return cast, {**kept, **cast_to_flat(cast, s)}

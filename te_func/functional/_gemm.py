@@ -1,0 +1,66 @@
+"""One GEMM of a layer for one call: from its workspace entries to its slot's tensors and back.
+
+Every GEMM layer's function does, per GEMM: read the GEMM's workspace
+(te_func.quant.workspace.Gemm), start a DelayedScaling step when the call
+starts one, cast the weight (or take the cached cast), hand the slot its
+tensors, and turn the slot's outputs into the entries the call leaves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops import GemmConfig, GemmSlot
+from ..quant import DelayedState, Gemm, GemmWorkspace, cast_weight, delayed_update, scheme_for
+from ..recipe import DelayedScaling
+from ._common import needs_weight_grad
+
+__all__ = ["GemmStep", "starts_step"]
+
+
+def starts_step(is_first_microbatch: bool | None) -> bool:
+    """A call with is_first_microbatch True or None begins a step: DelayedScaling's scales
+    update and its histories roll. Later microbatches (False) quantize with the same
+    scales and add their amaxes to the current slot by max."""
+    return is_first_microbatch is not False
+
+
+def _step_state(state: DelayedState, recipe, role: str, start: bool) -> DelayedState:
+    # Detached: the only gradient a state receives is the grad history's, through g_sink.
+    state = DelayedState(state.amax_history.detach(), state.scale.detach())
+    return delayed_update(state, recipe, role) if start else state
+
+
+@dataclass
+class GemmStep:
+    """One GEMM's part of a call: the slot, this call's state, and the grad history's entry."""
+    gemm: Gemm
+    recipe: object
+    slot: GemmSlot
+    state: GemmWorkspace           # the cast this call uses, the states it quantizes with
+    sink: torch.Tensor | None      # the raw grad history entry (see te_func.ops.gemm_layer)
+
+    @classmethod
+    def begin(cls, gemm: Gemm, weight: torch.Tensor, recipe, workspace: dict, is_first_microbatch,
+              prefix: str = "") -> "GemmStep":
+        gw = gemm.read(workspace, recipe)
+        sink = None
+        if isinstance(recipe, DelayedScaling):
+            sink = gw.grad.amax_history
+            start = starts_step(is_first_microbatch)
+            gw = gw._replace(**{role: _step_state(getattr(gw, role), recipe, role, start)
+                                for role in ("input", "weight", "grad")})
+        s_in, s_w, s_g = (scheme_for(recipe, role) for role in ("input", "weight", "grad"))
+        cast, weight_state, _ = cast_weight(weight, s_w, gw.cast, is_first_microbatch, gw.weight)
+        slot = GemmSlot(GemmConfig(s_in, s_w, s_g, save_input=needs_weight_grad(weight)), prefix)
+        return cls(gemm, recipe, slot, gw._replace(cast=cast, weight=weight_state), sink)
+
+    def tensors(self) -> dict:
+        """The slot's inputs by name."""
+        return self.slot.inputs(self.state.cast, self.state.input, self.state.grad, self.sink)
+
+    def entries(self, outputs: dict) -> dict:
+        """The op-local workspace entries this call leaves, from the op's outputs."""
+        gw = self.state._replace(input=self.slot.new_input_state(outputs, self.state.input))
+        return self.gemm.write(gw, self.recipe)

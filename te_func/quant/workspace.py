@@ -1,0 +1,192 @@
+"""The workspace format: what te_func keeps between calls, and the flat names users see.
+
+Every FP8 GEMM of a layer keeps one `GemmWorkspace`, a small pytree:
+
+    cast      WeightCast | None     the weight's FP8 cast in both layouts (None without a recipe)
+    input     DelayedState | None   DelayedScaling only: the GEMM input's amax history and scale,
+    weight    DelayedState | None   the weight's,
+    grad      DelayedState | None   and the output gradient's (updated in backward)
+
+`Gemm(weight, prefix)` declares one GEMM of a layer by its weight parameter's
+name and the prefix of its activation states. Its flat, op-local entries
+(the frame prefixes each with the layer's module path, like a state_dict):
+
+    {weight}_cast.data            (out, in)     FP8   the forward GEMM's layout
+    {weight}_cast.scale_inv       () or blocks        the decode factors of `data`
+    {weight}_cast.data_t          (in, out)     FP8   the cast of weight.T, for the input gradient
+    {weight}_cast.scale_inv_t     blocks              only for block scales: a tensor-wise
+                                                      scale is one number for both layouts
+    {prefix}input_amax_history    (L,) fp32     \\
+    {prefix}input_scale           ()   fp32      |  DelayedScaling only
+    {weight}_amax_history, {weight}_scale        |
+    {prefix}grad_amax_history     (L,) fp32      |  updated in backward (`Entry.backward`)
+    {prefix}grad_scale            ()   fp32     /
+
+and every workspace dict holds one more entry, `RECIPE_KEY`: the format
+version and a fingerprint of the recipe it was made for (`fingerprint`).
+Names are plain (`[A-Za-z0-9_.]+`), no two entries share storage, and the
+list of names of each layer x recipe is pinned by tests/golden_workspaces.json.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+from ..recipe import DelayedScaling, fingerprint
+from .delayed import init_delayed_state
+from .scheme import Scheme, scheme_for
+from .tensor import DelayedState, Quantized, quantize_with_transpose
+
+__all__ = ["FORMAT_VERSION", "RECIPE_KEY", "RECIPE_ENTRY", "CAST_FIELDS", "Entry", "Gemm", "GemmWorkspace", "WeightCast",
+           "cast_entries", "cast_from_flat", "cast_to_flat", "make_cast", "fingerprint_entry",
+           "ROLES_OF_GEMM"]
+
+# 1: te_func 0.1 (recipe repr and made_by= in key names); 2: this module.
+FORMAT_VERSION = 2
+RECIPE_KEY = "te_func_recipe"
+
+# A GEMM's three quantized tensors and the state names they are kept under.
+ROLES_OF_GEMM = ("input", "weight", "grad")
+
+
+class Entry(NamedTuple):
+    """What one workspace entry must be. `backward`: its new value is computed in
+    backward and comes back as the "gradient" of the entry (see te_func.frame.grad)."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    backward: bool = False
+
+
+class WeightCast(NamedTuple):
+    rowwise: Quantized      # cast of weight (out, in): forward GEMM
+    columnwise: Quantized   # cast of weight.T (in, out): input-gradient GEMM
+
+
+class GemmWorkspace(NamedTuple):
+    """One GEMM's workspace as typed values; see the module docstring."""
+    cast: WeightCast | None
+    input: DelayedState | None = None
+    weight: DelayedState | None = None
+    grad: DelayedState | None = None
+
+
+# --- the weight cast -------------------------------------------------------------------------
+
+CAST_FIELDS = ("data", "scale_inv", "data_t", "scale_inv_t")    # every name a cast's entries can have
+
+def _shared_scale(s: Scheme) -> bool:
+    # A tensor-wise cast and the cast of its transpose decode with the same one number.
+    return s.block is None
+
+
+def cast_entries(shape: tuple[int, int], s: Scheme) -> dict[str, Entry]:
+    """The entries of the cast of a weight of `shape` (out, in) by scheme `s`."""
+    out_f, in_f = shape
+    entries = {"data": Entry((out_f, in_f), s.dtype), "scale_inv": Entry(s.scale_shape((out_f, in_f)), s.scale_dtype),
+               "data_t": Entry((in_f, out_f), s.dtype)}
+    if not _shared_scale(s):
+        entries["scale_inv_t"] = Entry(s.scale_shape((in_f, out_f)), s.scale_dtype)
+    return entries
+
+
+def cast_to_flat(cast: WeightCast, s: Scheme) -> dict[str, torch.Tensor]:
+    flat = {"data": cast.rowwise.data, "scale_inv": cast.rowwise.scale_inv, "data_t": cast.columnwise.data}
+    if not _shared_scale(s):
+        flat["scale_inv_t"] = cast.columnwise.scale_inv
+    return flat
+
+
+def cast_from_flat(flat: dict, s: Scheme) -> WeightCast:
+    scale_inv_t = flat["scale_inv"] if _shared_scale(s) else flat["scale_inv_t"]
+    return WeightCast(Quantized(flat["data"], flat["scale_inv"], s.block), Quantized(flat["data_t"], scale_inv_t, s.block))
+
+
+def make_cast(weight: torch.Tensor, s: Scheme, state: DelayedState | None = None):
+    """The cast of a 2-D weight, both layouts. Returns (WeightCast, new_state)."""
+    q, q_t, new_state = quantize_with_transpose(weight, s, state)
+    return WeightCast(q, q_t), new_state
+
+
+# --- one GEMM ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One FP8 GEMM of a layer: its weight parameter's name and its states' prefix.
+
+    Linear: Gemm("weight"); LayerNormMLP: Gemm("fc1_weight", "fc1_"), Gemm("fc2_weight", "fc2_");
+    GroupedLinear: Gemm(f"weight{i}", f"gemm{i}_").
+    """
+    weight: str
+    prefix: str = ""
+
+    def state_names(self) -> dict[str, str]:
+        """role -> the name its DelayedScaling state is kept under."""
+        return {"input": f"{self.prefix}input", "weight": self.weight, "grad": f"{self.prefix}grad"}
+
+    def entries(self, weight_shape, recipe) -> dict[str, Entry]:
+        """Op-local entry name -> Entry, under `recipe` (empty for None)."""
+        if recipe is None:
+            return {}
+        out = {f"{self.weight}_cast.{k}": e
+               for k, e in cast_entries(tuple(weight_shape), scheme_for(recipe, "weight")).items()}
+        if isinstance(recipe, DelayedScaling):
+            for role, name in self.state_names().items():
+                out[f"{name}_amax_history"] = Entry((recipe.amax_history_len,), torch.float32, role == "grad")
+                out[f"{name}_scale"] = Entry((), torch.float32)
+        return out
+
+    def read(self, workspace: dict, recipe) -> GemmWorkspace:
+        """The typed view of this GEMM's entries in an op-local `workspace` (None for missing ones:
+        a workspace given to a per-op function may start empty)."""
+        if recipe is None:
+            return GemmWorkspace(None)
+        s = scheme_for(recipe, "weight")
+        p = f"{self.weight}_cast."
+        flat = {k[len(p):]: v for k, v in workspace.items() if k.startswith(p)}
+        cast = cast_from_flat(flat, s) if set(cast_entries((1, 1), s)) <= flat.keys() else None
+        if not isinstance(recipe, DelayedScaling):
+            return GemmWorkspace(cast)
+        states = {}
+        for role, name in self.state_names().items():
+            history, scale = workspace.get(f"{name}_amax_history"), workspace.get(f"{name}_scale")
+            if history is None or scale is None:
+                raise KeyError(f"DelayedScaling needs workspace entries {name}_amax_history and {name}_scale; "
+                               f"make the workspaces with tef.init_workspaces(model, recipe)")
+            states[role] = DelayedState(history, scale)
+        return GemmWorkspace(cast, **states)
+
+    def write(self, gw: GemmWorkspace, recipe) -> dict[str, torch.Tensor]:
+        """`gw` as op-local flat entries (the inverse of `read`)."""
+        out = {}
+        if gw.cast is not None:
+            out.update({f"{self.weight}_cast.{k}": v
+                        for k, v in cast_to_flat(gw.cast, scheme_for(recipe, "weight")).items()})
+        for role, name in self.state_names().items():
+            state = getattr(gw, role)
+            if state is not None:
+                out[f"{name}_amax_history"], out[f"{name}_scale"] = state
+        return out
+
+    def init(self, weight: torch.Tensor, recipe) -> GemmWorkspace:
+        """Fresh state: the cast of the current weight (with the initial scale, 1, under
+        DelayedScaling) and TE's initial states (zero histories, scale 1)."""
+        if recipe is None:
+            return GemmWorkspace(None)
+        if not isinstance(recipe, DelayedScaling):
+            cast, _ = make_cast(weight.detach(), scheme_for(recipe, "weight"))
+            return GemmWorkspace(cast)
+        states = {role: init_delayed_state(recipe, weight.device) for role in ROLES_OF_GEMM}
+        cast, _ = make_cast(weight.detach(), scheme_for(recipe, "weight"), states["weight"])
+        return GemmWorkspace(cast, **states)
+
+
+# --- recipe identity --------------------------------------------------------------------------
+
+RECIPE_ENTRY = Entry((2,), torch.int64)
+
+
+def fingerprint_entry(recipe, device=None) -> torch.Tensor:
+    """The value of the RECIPE_KEY entry: int64 (format version, te_func.recipe.fingerprint)."""
+    return torch.tensor([FORMAT_VERSION, fingerprint(recipe)], dtype=torch.int64, device=device)
