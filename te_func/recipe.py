@@ -1,28 +1,60 @@
-"""FP8 recipes with TransformerEngine's names and defaults.
+"""Quantization recipes with TransformerEngine 2.20's names, fields and defaults.
 
 Every recipe is a frozen, hashable dataclass: torch.compile treats it as a
-constant, and a workspace remembers which recipe made it by value.
+constant, and a workspace remembers which recipe made it by value
+(`fingerprint`). Every TE field is accepted, with TE's default; where TE
+reads an `NVTE_*` environment variable for a default, so does te_func, when
+the recipe is made (TE reads it when it is imported). A field te_func cannot
+honour (FP8 attention without an attention layer, callables) is refused with
+an error naming it. docs/recipes.md has the table of every field.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
 import hashlib
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-__all__ = ["Format", "QParams", "DelayedScaling", "Float8CurrentScaling",
-           "MXFP8BlockScaling", "Float8BlockScaling", "Recipe", "ROLES", "fingerprint"]
+__all__ = ["Format", "QParams", "MMParams", "DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling",
+           "Float8BlockScaling", "NVFP4BlockScaling", "Recipe", "ROLES", "fingerprint"]
 
 # The tensors a GEMM layer quantizes: its input (activations), its weight,
 # and the gradient of its output in backward.
 ROLES = ("input", "weight", "grad")
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 
+
+def _env_flag(name: str):
+    """A default read from the environment when the recipe is made: TE's `NAME=1` switches."""
+    return field(default_factory=lambda: os.environ.get(name, "0") == "1", metadata={"env": name, "static": False})
+
+
+def _env_str(name: str, default, upper: bool = False):
+    def read():
+        v = os.environ.get(name, default)
+        return v.upper() if upper and isinstance(v, str) else v
+    return field(default_factory=read, metadata={"env": name, "static": default})
+
+
+def _backward_override():
+    return _env_str("NVTE_BACKWARD_OVERRIDE", None)
+
+
+# --- recipe identity -----------------------------------------------------------------------------
 
 def _digest(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2   # 62 bits
+
+
+def _static_default(f: dataclasses.Field):
+    # The default a field has with no environment variable set.
+    if "static" in f.metadata:
+        return f.metadata["static"]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _remember_fingerprint(recipe) -> None:
@@ -32,12 +64,8 @@ def _remember_fingerprint(recipe) -> None:
     # Computed once here: torch.compile reads an attribute of a constant recipe as a
     # constant, but would not trace sha256.
     changed = [f"{f.name}={getattr(recipe, f.name)!r}" for f in dataclasses.fields(recipe)
-               if getattr(recipe, f.name) != _default(f)]
+               if getattr(recipe, f.name) != _static_default(f)]
     object.__setattr__(recipe, "_fingerprint", _digest(f"{type(recipe).__name__}({', '.join(changed)})"))
-
-
-def _default(f: dataclasses.Field):
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def fingerprint(recipe) -> int:
@@ -45,8 +73,12 @@ def fingerprint(recipe) -> int:
     return _digest("None") if recipe is None else recipe._fingerprint
 
 
+# --- the parts -----------------------------------------------------------------------------------
+
 class Format(enum.Enum):
-    """Which FP8 type each pass uses. HYBRID: E4M3 forward, E5M2 for gradients."""
+    """Which low-precision type each pass uses. HYBRID: E4M3 forward, E5M2 for gradients;
+    E2M1: NVFP4's 4-bit values."""
+    E2M1 = "E2M1"
     E4M3 = "E4M3"
     E5M2 = "E5M2"
     HYBRID = "HYBRID"
@@ -56,21 +88,71 @@ class Format(enum.Enum):
 
     def dtype(self, role: str) -> torch.dtype:
         """The FP8 dtype of tensors of `role` ("input", "weight" or "grad")."""
+        if self is Format.E2M1:
+            raise ValueError("Format.E2M1 has no torch dtype: NVFP4 values are packed two per byte "
+                             "(te_func.quant's NVFP4 scheme)")
         if self is Format.E5M2 or (self is Format.HYBRID and role == "grad"):
             return torch.float8_e5m2
         return torch.float8_e4m3fn
 
     def max(self, role: str) -> float:
-        """The largest finite value of `dtype(role)`."""
-        return torch.finfo(self.dtype(role)).max  # 448 for E4M3, 57344 for E5M2
+        """The largest finite value: 448 for E4M3, 57344 for E5M2, 6 for E2M1."""
+        if self is Format.E2M1:
+            return 6.0
+        return torch.finfo(self.dtype(role)).max
 
 
 @dataclass(frozen=True)
 class QParams:
-    """Per-role options of the current-scaling recipes (TE's `QParams`)."""
+    """Per-role quantization options (TE's `QParams`)."""
     power_2_scale: bool = False
     amax_epsilon: float = 0.0
+    # NVFP4's options; the FP8 recipes take none of them.
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
 
+    def fp4_options(self) -> list[str]:
+        return [n for n in ("random_hadamard_transform", "stochastic_rounding", "fp4_2d_quantization")
+                if getattr(self, n)]
+
+
+@dataclass(frozen=True)
+class MMParams:
+    """GEMM options (TE's `MMParams`). use_split_accumulator=False is FP8 "fast accumulation"
+    (cuBLAS's CUBLASLT_MATMUL_DESC_FAST_ACCUM) where the device runs FP8 GEMMs; te_func's
+    exact emulation accumulates in fp32 either way."""
+    use_split_accumulator: bool = True
+
+
+def _check_common(recipe, name: str, *, e5m2_ok: bool = False):
+    if not isinstance(recipe.fp8_format, Format) or recipe.fp8_format is Format.E2M1:
+        raise TypeError(f"{name}.fp8_format must be Format.E4M3 or Format.HYBRID, got {recipe.fp8_format!r}")
+    if recipe.fp8_format is Format.E5M2 and not e5m2_ok:
+        raise ValueError(f"{name}.fp8_format=Format.E5M2: pure E5M2 training is not supported (as in TE); "
+                         f"use Format.HYBRID (E4M3 forward, E5M2 gradients) or Format.E4M3")
+    for attention in ("fp8_dpa", "fp8_mha"):
+        if getattr(recipe, attention):
+            raise ValueError(f"{name}.{attention}=True asks for FP8 attention, and te_func has no attention "
+                             f"layer; leave it False (attention stays in high precision)")
+    if recipe.backward_override not in BACKWARD_OVERRIDES:
+        raise ValueError(f"{name}.backward_override must be None, 'high_precision' or 'dequantized' "
+                         f"(NVTE_BACKWARD_OVERRIDE), got {recipe.backward_override!r}")
+
+
+def _check_qparams(recipe, name: str, fields=("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")):
+    for f in fields:
+        qp = getattr(recipe, f)
+        if not isinstance(qp, QParams):
+            raise TypeError(f"{name}.{f} must be a te_func.recipe.QParams, got {qp!r}")
+        if qp.fp4_options():
+            raise ValueError(f"{name}.{f}: {', '.join(qp.fp4_options())} are NVFP4 options "
+                             f"(NVFP4BlockScaling); an FP8 recipe takes none of them")
+        if qp.amax_epsilon < 0:
+            raise ValueError(f"{name}.{f}.amax_epsilon must be >= 0, got {qp.amax_epsilon}")
+
+
+# --- the recipes ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class DelayedScaling:
@@ -78,50 +160,78 @@ class DelayedScaling:
 
     scale = (fp8_max / amax) / 2**margin, amax = max over the history
     ("max") or its newest entry ("most_recent"). The state lives in
-    workspaces; see `te_func.quant.DelayedState`.
+    workspaces (te_func.quant.workspace); docs/delayed.md has the rules.
     """
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: Literal["max", "most_recent"] = "max"
-    # Accepted for TE compatibility; single-process amax needs no reduction.
+    scaling_factor_compute_algo: None = None
+    # Under torch.distributed, amaxes are all-reduced by max over the amax group.
     reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = _backward_override()
 
     def __post_init__(self):
-        if self.amax_compute_algo not in ("max", "most_recent"):
-            raise ValueError(
-                f"DelayedScaling.amax_compute_algo must be 'max' or 'most_recent', "
-                f"got {self.amax_compute_algo!r} (callables are not supported: a recipe "
-                f"must be hashable so torch.compile can treat it as a constant)")
+        name = "DelayedScaling"
+        if callable(self.amax_compute_algo) or self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(f"{name}.amax_compute_algo must be 'max' or 'most_recent', got "
+                             f"{self.amax_compute_algo!r} (a callable is not supported: a recipe must be "
+                             f"hashable so torch.compile can treat it as a constant)")
+        if self.scaling_factor_compute_algo is not None:
+            raise ValueError(f"{name}.scaling_factor_compute_algo: a callable is not supported (a recipe "
+                             f"must be hashable so torch.compile can treat it as a constant); te_func "
+                             f"computes TE's default, (fp8_max / amax) / 2**margin")
         if self.amax_history_len < 1:
-            raise ValueError(f"DelayedScaling.amax_history_len must be >= 1, got {self.amax_history_len}")
-        if not isinstance(self.fp8_format, Format):
-            raise TypeError(f"fp8_format must be a te_func.recipe.Format, got {self.fp8_format!r}")
+            raise ValueError(f"{name}.amax_history_len must be >= 1, got {self.amax_history_len}")
+        _check_common(self, name)
+        if self.backward_override is not None:
+            raise ValueError(f"{name}.backward_override={self.backward_override!r}: delayed scaling only "
+                             f"supports None (as in TE); unset NVTE_BACKWARD_OVERRIDE")
         _remember_fingerprint(self)
 
 
 @dataclass(frozen=True)
 class Float8CurrentScaling:
     """Tensor-wise scale from the tensor's own amax: scale = fp8_max / max(amax, eps)."""
+    use_power_2_scales: bool = _env_flag("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES")
     fp8_format: Format = Format.HYBRID
     fp8_quant_fwd_inp: QParams = field(default_factory=QParams)
     fp8_quant_fwd_weight: QParams = field(default_factory=QParams)
     fp8_quant_bwd_grad: QParams = field(default_factory=QParams)
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = _backward_override()
 
     def __post_init__(self):
+        _check_common(self, "Float8CurrentScaling")
+        _check_qparams(self, "Float8CurrentScaling")
         _remember_fingerprint(self)
 
     def qparams(self, role: str) -> QParams:
-        return {"input": self.fp8_quant_fwd_inp, "weight": self.fp8_quant_fwd_weight,
-                "grad": self.fp8_quant_bwd_grad}[role]
+        """The role's options; use_power_2_scales turns power-of-2 scales on for every role."""
+        qp = {"input": self.fp8_quant_fwd_inp, "weight": self.fp8_quant_fwd_weight,
+              "grad": self.fp8_quant_bwd_grad}[role]
+        return dataclasses.replace(qp, power_2_scale=True) if self.use_power_2_scales else qp
 
 
 @dataclass(frozen=True)
 class MXFP8BlockScaling:
-    """Blocks of 32 along the reduction dimension, each with a power-of-2 E8M0 scale."""
+    """Blocks of 32 along the reduction dimension, each with a power-of-2 E8M0 scale
+    (enable_2d_quantization: 32x32 blocks for weights)."""
+    margin: int = 0       # accepted as TE does; TE's MXFP8 quantizers do not read it either
     fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = _backward_override()
+    enable_2d_quantization: bool = False
 
     def __post_init__(self):
+        _check_common(self, "MXFP8BlockScaling")
         _remember_fingerprint(self)
 
 
@@ -129,8 +239,10 @@ class MXFP8BlockScaling:
 class Float8BlockScaling:
     """DeepSeek-style blocks: 1x128 for inputs and gradients, 128x128 for weights.
 
-    Scales are fp32, by default rounded down to powers of 2.
+    Scales are fp32, rounded down to powers of 2 unless use_f32_scales
+    (NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1) or a role's QParams says otherwise.
     """
+    use_f32_scales: bool = _env_flag("NVTE_FP8_BLOCK_SCALING_FP32_SCALES")
     fp8_format: Format = Format.E4M3
     fp8_quant_fwd_inp: QParams = field(default_factory=lambda: QParams(power_2_scale=True))
     fp8_quant_fwd_weight: QParams = field(default_factory=lambda: QParams(power_2_scale=True))
@@ -138,20 +250,104 @@ class Float8BlockScaling:
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = _backward_override()
 
     def __post_init__(self):
-        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
-            if getattr(self, name) not in (1, 2):
-                raise ValueError(f"Float8BlockScaling.{name} must be 1 (1x128) or 2 (128x128)")
+        name = "Float8BlockScaling"
+        dims = {"x": self.x_block_scaling_dim, "w": self.w_block_scaling_dim, "grad": self.grad_block_scaling_dim}
+        for k, v in dims.items():
+            if v not in (1, 2):
+                raise ValueError(f"{name}.{k}_block_scaling_dim must be 1 (1x128) or 2 (128x128), got {v}")
+        for a, b in (("x", "w"), ("x", "grad"), ("w", "grad")):
+            if dims[a] == 2 and dims[b] == 2:
+                raise ValueError(f"{name}: {a}_block_scaling_dim and {b}_block_scaling_dim are both 2; a GEMM of "
+                                 f"two 128x128-block operands is not supported (as in TE)")
+        for gemm in ("fprop", "dgrad", "wgrad"):
+            if not getattr(self, f"fp8_gemm_{gemm}").use_split_accumulator:
+                raise ValueError(f"{name}.fp8_gemm_{gemm}.use_split_accumulator must be True: block scaling "
+                                 f"needs split accumulation (as in TE)")
+        _check_common(self, name)
+        _check_qparams(self, name)
         _remember_fingerprint(self)
 
     def qparams(self, role: str) -> QParams:
-        return {"input": self.fp8_quant_fwd_inp, "weight": self.fp8_quant_fwd_weight,
-                "grad": self.fp8_quant_bwd_grad}[role]
+        """The role's options; use_f32_scales turns power-of-2 rounding off for every role."""
+        qp = {"input": self.fp8_quant_fwd_inp, "weight": self.fp8_quant_fwd_weight,
+              "grad": self.fp8_quant_bwd_grad}[role]
+        return dataclasses.replace(qp, power_2_scale=False) if self.use_f32_scales else qp
 
     def block_dim(self, role: str) -> int:
         return {"input": self.x_block_scaling_dim, "weight": self.w_block_scaling_dim,
                 "grad": self.grad_block_scaling_dim}[role]
 
 
-Recipe = DelayedScaling | Float8CurrentScaling | MXFP8BlockScaling | Float8BlockScaling
+_NVFP4_SCOPES = ("none", "weights", "activations", "all")
+
+
+@dataclass(frozen=True)
+class NVFP4BlockScaling:
+    """NVFP4: E2M1 values in blocks of 16 along the reduction dim, each with an E4M3 scale,
+    under one fp32 scale per tensor; 16x16 blocks for weights, stochastic rounding for
+    gradients and a 16x16 random Hadamard transform on the weight-gradient GEMM's operands,
+    each of which its `disable_*` field turns off (NVTE_NVFP4_DISABLE_*=1)."""
+    disable_rht: bool = _env_flag("NVTE_NVFP4_DISABLE_RHT")
+    disable_stochastic_rounding: bool = _env_flag("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING")
+    disable_2d_quantization: bool = _env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION")
+    row_scaled_activation: bool = _env_flag("NVTE_NVFP4_ROW_SCALED_ACTIVATION")
+    nvfp4_4over6: str = _env_str("NVTE_NVFP4_4OVER6", "none")
+    nvfp4_4over6_e4m3_use_256: str = _env_str("NVTE_NVFP4_4OVER6_E4M3_USE_256", "all")
+    nvfp4_4over6_err_mode: str = _env_str("NVTE_NVFP4_4OVER6_ERR_MODE", "MAE", upper=True)
+    fp4_format: Format = Format.E2M1
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = _backward_override()
+
+    def __post_init__(self):
+        name = "NVFP4BlockScaling"
+        if self.fp4_format is not Format.E2M1:
+            raise ValueError(f"{name}.fp4_format must be Format.E2M1, got {self.fp4_format!r}")
+        if self.fp8_format is not Format.E4M3:
+            raise ValueError(f"{name}.fp8_format (the block scales' format) must be Format.E4M3, got "
+                             f"{self.fp8_format!r}")
+        for f, allowed in (("nvfp4_4over6", _NVFP4_SCOPES), ("nvfp4_4over6_e4m3_use_256", _NVFP4_SCOPES),
+                           ("nvfp4_4over6_err_mode", ("MAE", "MSE"))):
+            if getattr(self, f) not in allowed:
+                raise ValueError(f"{name}.{f} must be one of {allowed}, got {getattr(self, f)!r}")
+        if self.nvfp4_4over6 != "none":
+            raise ValueError(f"{name}.nvfp4_4over6={self.nvfp4_4over6!r}: te_func does not implement 4over6 "
+                             f"block scaling; leave it 'none' (NVTE_NVFP4_4OVER6 unset)")
+        if self.row_scaled_activation:
+            raise ValueError(f"{name}.row_scaled_activation=True: te_func does not implement row-scaled NVFP4 "
+                             f"activations; leave it False (NVTE_NVFP4_ROW_SCALED_ACTIVATION unset)")
+        _check_common(self, name)
+        _remember_fingerprint(self)
+
+    def qparams(self, role: str) -> QParams:
+        """TE's derived per-role options: RHT for the input's and the gradient's columnwise
+        (weight-gradient) copies, 2-D blocks for weights, stochastic rounding for gradients."""
+        return {"input": QParams(random_hadamard_transform=not self.disable_rht),
+                "weight": QParams(fp4_2d_quantization=not self.disable_2d_quantization),
+                "grad": QParams(random_hadamard_transform=not self.disable_rht,
+                                stochastic_rounding=not self.disable_stochastic_rounding)}[role]
+
+    @property
+    def fp4_quant_fwd_inp(self) -> QParams:
+        return self.qparams("input")
+
+    @property
+    def fp4_quant_fwd_weight(self) -> QParams:
+        return self.qparams("weight")
+
+    @property
+    def fp4_quant_bwd_grad(self) -> QParams:
+        return self.qparams("grad")
+
+
+Recipe = DelayedScaling | Float8CurrentScaling | MXFP8BlockScaling | Float8BlockScaling | NVFP4BlockScaling
+RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling)

@@ -20,6 +20,9 @@ RECIPES = [
     ("mxfp8", MXFP8BlockScaling()),
     ("block", Float8BlockScaling()),
     ("delayed", DelayedScaling(amax_history_len=4)),
+    # TE's backward_override: the backward reads the forward's casts dequantized, or the original tensors
+    ("current-bwd-dequantized", Float8CurrentScaling(backward_override="dequantized")),
+    ("block-bwd-high-precision", Float8BlockScaling(backward_override="high_precision")),
 ]
 
 

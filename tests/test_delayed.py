@@ -47,17 +47,27 @@ class RefState:
         self.scale = np.float32(1.0)
 
     def start_step(self):
-        r = self.recipe
-        amax = np.max(self.history) if r.amax_compute_algo == "max" else self.history[0]   # NaN propagates
+        """TE's fused update (delayed_scaling.cu, kernel_bulk): a step whose amax (slot 0)
+        is 0 changes nothing; else amax = the fmax over the history (NaN skipped) or slot 0,
+        scale = (fp8_max * 2**-margin) / amax where amax is finite and > 0, FLT_MAX where
+        that overflows, and the history rolls by one with slot 0 zeroed."""
+        r, last = self.recipe, self.history[0]
+        if last == 0:
+            return
+        if r.amax_compute_algo == "max":
+            amax = np.float32(np.max(np.where(np.isnan(self.history), np.float32(0), self.history)))
+        else:
+            amax = last
         if amax > 0 and np.isfinite(amax):
             with np.errstate(over="ignore"):
-                scale = self.fp8_max / amax / np.float32(2.0 ** r.margin)
+                scale = np.float32(self.fp8_max * np.float32(2.0 ** -r.margin)) / amax
             self.scale = scale if np.isfinite(scale) else FLT_MAX
         self.history = np.roll(self.history, -1)
         self.history[0] = 0.0
 
     def record(self, amax):
-        self.history[0] = np.maximum(self.history[0], np.float32(amax))
+        # fmax: a NaN amax is no amax (TE's amax kernels skip NaN elements)
+        self.history[0] = np.fmax(self.history[0], np.float32(amax))
 
 
 def first_flag(n_micro: int, i: int):
@@ -269,18 +279,66 @@ def _forward_steps(recipe, inputs):
     return out
 
 
-@pytest.mark.parametrize("bad", [0.0, float("inf"), float("nan")])
-def test_zero_or_non_finite_amax_keeps_the_old_scale(bad):
+def _with(x, value):
+    odd = x.clone()
+    odd[3, 5] = value
+    return odd
+
+
+def test_a_step_that_saw_amax_zero_is_skipped_as_te_skips_it():
+    """An all-zero input (an MoE expert that got no tokens): its step records amax 0, and the
+    next step start changes nothing, neither the scale nor the history's order."""
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(8, 32)
+    states = _forward_steps(recipe, [x, 2 * x, torch.zeros(8, 32), x])
+    ax = x.abs().max()
+    assert torch.equal(states[1][0], torch.stack([2 * ax, 0 * ax, 0 * ax, ax]))
+    assert torch.equal(states[2][0], torch.stack([0 * ax, 0 * ax, ax, 2 * ax]))      # rolled, then 0 recorded
+    assert torch.equal(states[3][1], states[2][1])                                   # no new scale...
+    assert torch.equal(states[3][0], torch.stack([ax, 0 * ax, ax, 2 * ax]))          # ...and no roll
+
+
+def test_an_inf_amax_keeps_the_old_scale():
     recipe = DelayedScaling(amax_history_len=1)
     x = torch.randn(8, 32)
-    odd = torch.zeros(8, 32) if bad == 0 else x.clone().index_put_((torch.tensor([3]), torch.tensor([5])),
-                                                                   torch.tensor(bad))
-    states = _forward_steps(recipe, [x, x, odd, x, x])
+    states = _forward_steps(recipe, [x, x, _with(x, float("inf")), x, x])
     scale_from_x = torch.tensor(E4M3_MAX) / x.abs().max()
-    assert states[1][1] == scale_from_x                   # from step 0's amax
-    assert states[3][1] == scale_from_x                   # step 2's amax (0 / inf / NaN) is skipped
-    assert states[2][0].isnan().all() if bad != bad else states[2][0][0] == bad
+    assert states[1][1] == scale_from_x and states[2][0][0] == float("inf")
+    assert states[3][1] == scale_from_x                   # amax inf: the scale stays
     assert states[4][1] == scale_from_x and states[4][0][0] == x.abs().max()
+
+
+def test_a_nan_element_is_skipped_by_the_amax():
+    """TE takes amaxes with fmax: a NaN element does not make the amax NaN (which would freeze
+    the scale for a whole history window); the element itself still casts to NaN."""
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(8, 32)
+    odd = _with(x, float("nan"))
+    states = _forward_steps(recipe, [x, odd, x])
+    finite_amax = odd.nan_to_num(0.0).abs().max()
+    assert states[1][0][0] == finite_amax
+    assert states[2][1] == torch.tensor(E4M3_MAX) / torch.maximum(finite_amax, x.abs().max())
+    q, _ = tef.quant.quantize(odd, Float8CurrentScaling(), "input")
+    assert torch.isnan(tef.quant.dequantize(q)).sum() == 1                          # just that element
+
+
+def test_under_no_grad_amaxes_are_recorded_and_nothing_updates():
+    """As TE, which updates its scales at autocast exit only while grad is enabled: an
+    evaluation pass records its amaxes into the current slot and rolls nothing."""
+    recipe = DelayedScaling(amax_history_len=4)
+    model = make_model()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(8, 32)
+    _, ws = tef.functional_call(model, params, tef.init_workspaces(model, recipe), (x,), recipe=recipe)
+    _, ws = tef.functional_call(model, params, ws, (x,), recipe=recipe)          # a step: scales move
+    with torch.no_grad():
+        _, evaluated = tef.functional_call(model, params, ws, (3 * x,), recipe=recipe, is_first_microbatch=True)
+    for layer in LAYERS:
+        for role in ("input", "weight"):
+            h, h_eval = ws[f"{layer}.{role}_amax_history"], evaluated[f"{layer}.{role}_amax_history"]
+            assert torch.equal(evaluated[f"{layer}.{role}_scale"], ws[f"{layer}.{role}_scale"])
+            assert torch.equal(h_eval[1:], h[1:]) and h_eval[0] >= h[0]
+    assert evaluated["0.input_amax_history"][0] == (3 * x).abs().max()
 
 
 def test_weight_cache_hit_records_nothing_and_a_microbatch_does_not_roll():

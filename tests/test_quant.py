@@ -172,16 +172,19 @@ def ref_format(recipe, role) -> Fp8Format:
 def ref_config(recipe, role) -> RefConfig:
     fmt = ref_format(recipe, role)
     if isinstance(recipe, MXFP8BlockScaling):
-        return RefConfig(fmt, (1, 32), "e8m0")
+        # enable_2d_quantization: one E8M0 scale per 32x32 block of a weight
+        return RefConfig(fmt, (32, 32) if role == "weight" and recipe.enable_2d_quantization else (1, 32), "e8m0")
     qp = {"input": recipe.fp8_quant_fwd_inp, "weight": recipe.fp8_quant_fwd_weight,
           "grad": recipe.fp8_quant_bwd_grad}[role]
     if isinstance(recipe, Float8CurrentScaling):
-        return RefConfig(fmt, None, "current", qp.amax_epsilon, qp.power_2_scale)
+        # use_power_2_scales: power-of-2 scales for every role
+        return RefConfig(fmt, None, "current", qp.amax_epsilon, qp.power_2_scale or recipe.use_power_2_scales)
     if isinstance(recipe, Float8BlockScaling):
         dim = {"input": recipe.x_block_scaling_dim, "weight": recipe.w_block_scaling_dim,
                "grad": recipe.grad_block_scaling_dim}[role]
+        # use_f32_scales: no rounding to powers of 2 for any role
         return RefConfig(fmt, (1, 128) if dim == 1 else (128, 128), "current",
-                         qp.amax_epsilon, qp.power_2_scale)
+                         qp.amax_epsilon, qp.power_2_scale and not recipe.use_f32_scales)
     raise TypeError(recipe)
 
 
@@ -198,7 +201,8 @@ def block_amax(x: np.ndarray, block) -> np.ndarray:
     padded = np.zeros((-(-rows // br) * br, -(-cols // bc) * bc), dtype=F32)
     padded[:rows, :cols] = x
     r, c = padded.shape[0] // br, padded.shape[1] // bc
-    return np.max(np.abs(padded.reshape(r, br, c, bc)), axis=(1, 3))   # NaN propagates
+    # TE takes amaxes with fmax from 0: NaN elements are skipped
+    return np.fmax.reduce(np.abs(padded.reshape(r, br, c, bc)), axis=(1, 3), initial=F32(0))
 
 
 def expand(per_block: np.ndarray, block, shape) -> np.ndarray:
@@ -212,7 +216,7 @@ def ref_scales(x, cfg: RefConfig):
     current: scale from the block's amax, scale_inv = fl32(1 / scale); fixed: the given
     scale; e8m0: scale_inv = 2**k from the amax, scale = 2**-k (exact)."""
     x = np.asarray(x, dtype=F32)
-    amax = np.max(np.abs(x)) if cfg.block is None else block_amax(x, cfg.block)
+    amax = np.fmax.reduce(np.abs(x), axis=None, initial=F32(0)) if cfg.block is None else block_amax(x, cfg.block)
     if cfg.rule == "e8m0":
         bits, scale_inv = ref_e8m0(amax, cfg.fmt.max)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -327,14 +331,18 @@ BLOCK_NOP2_EPS = QParams(power_2_scale=False, amax_epsilon=1e-2)
 
 RECIPES = {
     "current-hybrid": Float8CurrentScaling(),                     # E4M3 fwd, E5M2 grad
-    "current-e5m2": Float8CurrentScaling(fp8_format=Format.E5M2),
-    "current-e4m3-pow2-eps": Float8CurrentScaling(Format.E4M3, CURRENT_P2_EPS, CURRENT_P2_EPS,
-                                                  CURRENT_P2_EPS),
+    "current-hybrid-all-pow2": Float8CurrentScaling(use_power_2_scales=True),   # E5M2 grads, pow2 everywhere
+    "current-e4m3-pow2-eps": Float8CurrentScaling(fp8_format=Format.E4M3, fp8_quant_fwd_inp=CURRENT_P2_EPS,
+                                                  fp8_quant_fwd_weight=CURRENT_P2_EPS,
+                                                  fp8_quant_bwd_grad=CURRENT_P2_EPS),
     "mxfp8-e4m3": MXFP8BlockScaling(),
     "mxfp8-hybrid": MXFP8BlockScaling(fp8_format=Format.HYBRID),
     "block-e4m3": Float8BlockScaling(),                           # pow2 scales by default
-    "block-hybrid-nopow2-eps": Float8BlockScaling(Format.HYBRID, BLOCK_NOP2_EPS, BLOCK_NOP2_EPS,
-                                                  BLOCK_NOP2_EPS),
+    "block-hybrid-nopow2-eps": Float8BlockScaling(fp8_format=Format.HYBRID, fp8_quant_fwd_inp=BLOCK_NOP2_EPS,
+                                                  fp8_quant_fwd_weight=BLOCK_NOP2_EPS,
+                                                  fp8_quant_bwd_grad=BLOCK_NOP2_EPS),
+    "block-f32-scales": Float8BlockScaling(use_f32_scales=True),
+    "mxfp8-2d-weights": MXFP8BlockScaling(enable_2d_quantization=True),
 }
 RECIPE_ROLES = [pytest.param(name, role, id=f"{name}-{role}")
                 for name, role in itertools.product(RECIPES, ROLES)]
@@ -659,12 +667,14 @@ def test_edge_case_expectations_spelled_out(name, role):
         assert ((si >= cfg.eps / fmax) & (si < 2 * cfg.eps / fmax)).all()
     else:
         assert torch.allclose(si, torch.tensor(cfg.eps / fmax), rtol=1e-6, atol=0)
-    # NaN stays NaN; current scaling with a NaN amax uses scale 1, so inf and 1e6 saturate
-    # and 2 stays 2. MXFP8: the block's E8M0 scale is NaN (0xFF), the whole block is NaN.
+    # NaN stays NaN, and only it: the amax skips NaN elements (TE's fmax), so here it is inf.
+    # Current scaling with an inf amax uses scale 1: inf and 1e6 saturate and 2 stays 2.
+    # MXFP8: the block's E8M0 scale is 2**127 (byte 254), under which the finite values vanish.
     q, _ = quantize(torch.tensor([[float("nan"), float("inf"), -float("inf"), 1e6, 2.0]]), recipe, role)
     v = q.data.double()[0]
     if cfg.rule == "e8m0":
-        assert torch.isnan(v).all() and q.scale_inv.view(torch.uint8).item() == 0xFF
+        assert torch.isnan(v[0]) and v[1:].tolist() == [fmax, -fmax, 0.0, 0.0]
+        assert q.scale_inv.view(torch.uint8).item() == 254
     else:
         assert torch.isnan(v[0]) and v[1:].tolist() == [fmax, -fmax, fmax, 2.0]
         assert (q.scale_inv == 1).all()
@@ -677,7 +687,8 @@ def test_edge_case_expectations_spelled_out(name, role):
         assert (q.scale_inv == 1).all() and v.tolist() == [fmax, fmax, -fmax, 2.0]
 
 
-@pytest.mark.parametrize("fmt", [Format.E4M3, Format.E5M2, Format.HYBRID], ids=lambda f: f.value)
+# (Pure E5M2 is refused, as in TE; HYBRID's gradient role is the E5M2 case.)
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID], ids=lambda f: f.value)
 @pytest.mark.parametrize("role", ROLES)
 @pytest.mark.parametrize("scale", [1000.0, 2.0 ** 4, 0.375])
 def test_delayed_fixed_scale_saturates_at_format_max(fmt, role, scale):
@@ -823,15 +834,15 @@ def test_quantize_weight_cache_false_reuses_a_valid_cast(name, quantize_calls):
     assert_cast_is_reference(cast, new_ws, w, recipe, stored=True)
 
 
-_E5M2_W = QParams(power_2_scale=True)
-
-# (old recipe, old weight shape, new recipe, entry to drop): the old cast is not valid now.
+# (old quantizer, old weight shape, new recipe, entry to drop): the old cast is not valid now.
+# An E5M2 cast is what the HYBRID recipes make of gradients.
 INVALID_CASTS = {
     "wrong-shape": (RECIPES["block-e4m3"], (64, 300), RECIPES["block-e4m3"], None),
     "transposed-shape": (RECIPES["mxfp8-e4m3"], W_SHAPE[::-1], RECIPES["mxfp8-e4m3"], None),
-    "e5m2-cast-now-e4m3": (Float8CurrentScaling(Format.E5M2, fp8_quant_fwd_weight=_E5M2_W), W_SHAPE,
-                           RECIPES["current-e4m3-pow2-eps"], None),
-    "e5m2-mxfp8-now-e4m3": (MXFP8BlockScaling(Format.E5M2), W_SHAPE, RECIPES["mxfp8-e4m3"], None),
+    "e5m2-cast-now-e4m3": (Quantizer(Float8CurrentScaling(), "grad"), W_SHAPE, RECIPES["current-e4m3-pow2-eps"], None),
+    "e5m2-mxfp8-now-e4m3": (Quantizer(MXFP8BlockScaling(fp8_format=Format.HYBRID), "grad"), W_SHAPE,
+                            RECIPES["mxfp8-e4m3"], None),
+    "1x32-cast-now-32x32": (RECIPES["mxfp8-e4m3"], W_SHAPE, RECIPES["mxfp8-2d-weights"], None),
     "mxfp8-cast-now-block": (RECIPES["mxfp8-e4m3"], W_SHAPE, RECIPES["block-e4m3"], None),
     "block-cast-now-mxfp8": (RECIPES["block-e4m3"], W_SHAPE, RECIPES["mxfp8-e4m3"], None),
     "tensorwise-cast-now-block": (RECIPES["current-e4m3-pow2-eps"], W_SHAPE, RECIPES["block-e4m3"], None),
@@ -845,8 +856,9 @@ INVALID_CASTS = {
 
 @pytest.mark.parametrize("case", INVALID_CASTS)
 def test_quantize_weight_cache_false_requantizes_an_invalid_cast(case, quantize_calls):
-    old_recipe, old_shape, recipe, drop = INVALID_CASTS[case]
-    _, ws = quantize_weight(random_matrix(*old_shape), Quantizer(old_recipe), {"unrelated": torch.ones(2)},
+    old, old_shape, recipe, drop = INVALID_CASTS[case]
+    old = old if isinstance(old, Quantizer) else Quantizer(old)
+    _, ws = quantize_weight(random_matrix(*old_shape), old, {"unrelated": torch.ones(2)},
                             True)
     if drop:
         ws = {k: v for k, v in ws.items() if k != drop}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import GemmConfig, GemmSlot
-from ..quant import DelayedState, Gemm, GemmWorkspace, cast_weight, delayed_update, scheme_for
+from ..quant import DelayedState, Gemm, GemmWorkspace, cast_weight, delayed_update
 from ..recipe import DelayedScaling
 from ._common import needs_weight_grad
 
@@ -22,8 +22,10 @@ __all__ = ["GemmStep", "starts_step"]
 def starts_step(is_first_microbatch: bool | None) -> bool:
     """A call with is_first_microbatch True or None begins a step: DelayedScaling's scales
     update and its histories roll. Later microbatches (False) quantize with the same
-    scales and add their amaxes to the current slot by max."""
-    return is_first_microbatch is not False
+    scales and add their amaxes to the current slot by max. As in TE, nothing updates
+    while grad is disabled: an evaluation under no_grad records its amaxes and leaves
+    the scales as they are."""
+    return is_first_microbatch is not False and torch.is_grad_enabled()
 
 
 def _step_state(state: DelayedState, recipe, role: str, start: bool) -> DelayedState:
@@ -51,9 +53,9 @@ class GemmStep:
             start = starts_step(is_first_microbatch)
             gw = gw._replace(**{role: _step_state(getattr(gw, role), recipe, role, start)
                                 for role in ("input", "weight", "grad")})
-        s_in, s_w, s_g = (scheme_for(recipe, role) for role in ("input", "weight", "grad"))
-        cast, weight_state, _ = cast_weight(weight, s_w, gw.cast, is_first_microbatch, gw.weight)
-        slot = GemmSlot(GemmConfig(s_in, s_w, s_g, save_input=needs_weight_grad(weight)), prefix)
+        cfg = GemmConfig.of(recipe, save_input=needs_weight_grad(weight))
+        cast, weight_state, _ = cast_weight(weight, cfg.weight, gw.cast, is_first_microbatch, gw.weight)
+        slot = GemmSlot(cfg, gemm.weight, prefix)
         return cls(gemm, recipe, slot, gw._replace(cast=cast, weight=weight_state), sink)
 
     def tensors(self) -> dict:

@@ -27,14 +27,14 @@ SOFT_ROUND = os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TE_FUN
 
 @triton.jit
 def _amax_kernel(x_ptr, amax_bits_ptr, numel, iters, BLOCK: tl.constexpr):
-    # max |x| as the int32 bits of an fp32 >= 0: ordered like the floats, and a
-    # NaN (bits above inf's) wins, as torch.amax propagates NaN.
+    # max |x| as the int32 bits of an fp32 >= 0, ordered like the floats; a NaN counts
+    # as 0 (te_func.quant.tensor.abs_skipping_nan: TE's fmax skips NaN).
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for i in range(iters):        # program p reads blocks p, p + nprog, ...
         offs = (i * nprog + pid) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, tl.abs(x).to(tl.int32, bitcast=True))
+        acc = tl.maximum(acc, tl.where(x != x, 0.0, tl.abs(x)).to(tl.int32, bitcast=True))
     tl.atomic_max(amax_bits_ptr, tl.max(acc, axis=0))
 
 
@@ -100,7 +100,8 @@ def _cast_kernel(x_ptr, out_ptr, out_t_ptr, scale_inv_ptr, amax_bits_ptr, scale_
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     if GIVEN_SCALE:
-        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=1), axis=0))
+        a = tl.where(x != x, 0.0, tl.abs(x))
+        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(a.to(tl.int32, bitcast=True), axis=1), axis=0))
     # te_func.quant.tensor._cast: fp32 product, clamp to +-fp8_max, round to nearest
     # even. A NaN product becomes the FP8 NaN 0x7F with its sign, as torch's cast makes it
     # (min/max here would drop the NaN).

@@ -15,7 +15,10 @@ Tensors of a slot with prefix p (None where the recipe keeps no such state):
              p+g_sink                    the grad history's workspace entry: its "gradient" carries
                                          the backward amax (see `backward_amax`)
     outputs  p+new_x_history             the input history with this call's amax recorded
-             p+xt, p+xt_scale_inv        the input's cast along tokens, for the weight gradient
+             p+x_saved, p+x_saved_scale_inv   what the weight-gradient GEMM reads of the input:
+                                         the cast of x.T (blocks along tokens); with the recipe's
+                                         backward_override, the cast of x ("dequantized") or x
+                                         itself ("high_precision", no scale)
 """
 from __future__ import annotations
 
@@ -24,33 +27,53 @@ from dataclasses import dataclass
 import torch
 
 from ..gemm import gemm
-from ..quant import DelayedState, Quantized, Scheme, WeightCast, quantize_scheme, quantize_with_transpose
+from ..quant import DelayedState, Quantized, Scheme, WeightCast, dequantize, quantize_scheme, quantize_with_transpose
+from ..quant import scheme_for
 
-__all__ = ["GemmConfig", "GemmSlot", "forward_gemm", "backward_gemm"]
+__all__ = ["GemmConfig", "GemmSlot", "forward_gemm", "backward_gemm", "backward_amax"]
+
+# TE's accumulation where a recipe has no MMParams: fast for the forward GEMM, split
+# (more precise) for the two backward GEMMs.
+_DEFAULT_FAST_ACCUM = (True, False, False)
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Static (hashable) description of one FP8 GEMM: how each role is scaled."""
+    """Static (hashable) description of one FP8 GEMM: how each role is scaled, how each
+    of its three GEMMs accumulates, and what backward reads."""
     input: Scheme
     weight: Scheme
     grad: Scheme
-    # Whether backward will need the weight gradient, so forward keeps the
-    # input's transposed cast; decided by the caller, who can see requires_grad.
+    # Whether backward will need the weight gradient, so forward keeps what the
+    # weight-gradient GEMM reads of the input; decided by the caller, who can see requires_grad.
     save_input: bool = True
+    fast_accum: tuple[bool, bool, bool] = _DEFAULT_FAST_ACCUM     # fprop, dgrad, wgrad
+    backward_override: str | None = None
+
+    @classmethod
+    def of(cls, recipe, save_input: bool) -> "GemmConfig":
+        """The config `recipe` gives one GEMM (MMParams.use_split_accumulator -> fast_accum)."""
+        mm = [getattr(recipe, f"fp8_gemm_{g}", None) for g in ("fprop", "dgrad", "wgrad")]
+        fast = tuple(d if p is None else not p.use_split_accumulator for p, d in zip(mm, _DEFAULT_FAST_ACCUM))
+        return cls(*(scheme_for(recipe, role) for role in ("input", "weight", "grad")), save_input=save_input,
+                   fast_accum=fast, backward_override=recipe.backward_override)
 
 
 def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: GemmConfig,
                  x_state: DelayedState | None = None):
-    """x (tokens, in) @ w (out, in).T + bias -> (out (tokens, out), x cast for wgrad or None, new x state)."""
-    if cfg.save_input:
+    """x (tokens, in) @ w (out, in).T + bias -> (out (tokens, out), x's cast, x.T's cast or None, new x state).
+
+    The cast of x.T (blocks along tokens, what the weight-gradient GEMM reads) is made
+    when backward needs it, in the same pass as x's where the scheme allows.
+    """
+    if cfg.save_input and cfg.backward_override is None:
         xq, xq_t, new_state = quantize_with_transpose(x, cfg.input, x_state)
     else:
         (xq, new_state), xq_t = quantize_scheme(x, cfg.input, x_state), None
-    out = gemm(xq, w, x.dtype, fast_accum=True)
+    out = gemm(xq, w, x.dtype, fast_accum=cfg.fast_accum[0])
     if bias is not None:
         out = out + bias.to(out.dtype)
-    return out, xq_t, new_state
+    return out, xq, xq_t, new_state
 
 
 def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized | None, cfg: GemmConfig,
@@ -66,8 +89,8 @@ def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized
         gq_t = None
     else:
         gq, gq_t, new_state = quantize_with_transpose(grad_out, cfg.grad, g_state)
-    dx = None if w_t is None else gemm(gq, w_t, x_dtype, fast_accum=False)
-    dw = None if xq_t is None else gemm(gq_t, xq_t, w_dtype, fast_accum=False)
+    dx = None if w_t is None else gemm(gq, w_t, x_dtype, fast_accum=cfg.fast_accum[1])
+    dw = None if xq_t is None else gemm(gq_t, xq_t, w_dtype, fast_accum=cfg.fast_accum[2])
     return dx, dw, new_state
 
 
@@ -75,10 +98,22 @@ def _state(history, scale) -> DelayedState | None:
     return None if history is None else DelayedState(history, scale)
 
 
+def backward_amax(new_g: DelayedState | None) -> torch.Tensor | None:
+    """The grad history's "gradient": zeros, but for slot 0, which holds the amax this backward
+    recorded. Merged by max into whatever the history is when backward runs, it lands in the
+    current step's slot, as in TE, also when another step's forward ran in between."""
+    if new_g is None:
+        return None
+    history = new_g.amax_history
+    return torch.cat([history[:1], torch.zeros_like(history[1:])])
+
+
 @dataclass(frozen=True)
 class GemmSlot:
-    """One FP8 GEMM inside an op: its config and the prefix of its tensors' names."""
+    """One FP8 GEMM inside an op: its config, the op input that is its weight, and the
+    prefix of its tensors' names."""
     cfg: GemmConfig
+    weight: str = "weight"
     prefix: str = ""
 
     def _n(self, name: str) -> str:
@@ -86,11 +121,16 @@ class GemmSlot:
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return tuple(map(self._n, ("new_x_history", "xt", "xt_scale_inv")))
+        return tuple(map(self._n, ("new_x_history", "x_saved", "x_saved_scale_inv")))
 
     @property
     def saved(self) -> tuple[str, ...]:
-        return tuple(map(self._n, ("w_t", "w_t_scale_inv", "xt", "xt_scale_inv", "g_history", "g_scale")))
+        # What the input-gradient GEMM reads of the weight: its transposed cast, or with
+        # backward_override the forward's cast ("dequantized") or the weight itself.
+        w = {None: ("w_t", "w_t_scale_inv"), "dequantized": ("w", "w_scale_inv"),
+             "high_precision": ()}[self.cfg.backward_override]
+        own = tuple(map(self._n, (*w, "x_saved", "x_saved_scale_inv", "g_history", "g_scale")))
+        return own + ((self.weight,) if self.cfg.backward_override == "high_precision" else ())
 
     def inputs(self, cast: WeightCast, x_state: DelayedState | None, g_state: DelayedState | None,
                g_sink: torch.Tensor | None) -> dict:
@@ -111,35 +151,44 @@ class GemmSlot:
         """x (tokens, in) -> (out (tokens, out) in x's dtype, this slot's outputs by name)."""
         n, cfg = self._n, self.cfg
         w = Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block)
-        out, xq_t, new_x = forward_gemm(x, w, bias, cfg, _state(t[n("x_history")], t[n("x_scale")]))
+        out, xq, xq_t, new_x = forward_gemm(x, w, bias, cfg, _state(t[n("x_history")], t[n("x_scale")]))
+        saved, saved_scale_inv = None, None
+        if cfg.save_input:
+            saved, saved_scale_inv = {None: (None if xq_t is None else xq_t.data, None if xq_t is None else xq_t.scale_inv),
+                                      "dequantized": (xq.data, xq.scale_inv),
+                                      # a view: a Function may not save an input it returns as is
+                                      "high_precision": (x.view_as(x), None)}[cfg.backward_override]
         return out, {n("new_x_history"): None if new_x is None else new_x.amax_history,
-                     n("xt"): None if xq_t is None else xq_t.data,
-                     n("xt_scale_inv"): None if xq_t is None else xq_t.scale_inv}
+                     n("x_saved"): saved, n("x_saved_scale_inv"): saved_scale_inv}
 
-    def backward(self, s: dict, grad_out: torch.Tensor, need_dx: bool, dx_dtype: torch.dtype | None,
-                 weight: str, ctx):
-        """grad_out (tokens, out) -> (dx (tokens, in) or None, dw or None, {g_sink's name: its gradient}).
-
-        `weight` names the op input whose gradient dw is (computed when ctx.need says so).
-        """
-        n, cfg = self._n, self.cfg
+    def backward(self, s: dict, grad_out: torch.Tensor, need_dx: bool, dx_dtype: torch.dtype | None, ctx):
+        """grad_out (tokens, out) -> (dx (tokens, in) or None, dw or None, {g_sink's name: its gradient})."""
+        n, cfg, weight = self._n, self.cfg, self.weight
         need_dw = ctx.need[weight]
-        if need_dw and s[n("xt")] is None:
+        if need_dw and s[n("x_saved")] is None:
             raise RuntimeError(f"te_func: the gradient of {weight} was requested but the forward ran without "
                                f"saving that GEMM's input ({weight}.requires_grad was False then)")
+        if cfg.backward_override is not None:
+            dx, dw = self._backward_unquantized(s, grad_out, need_dx, need_dw, dx_dtype, ctx.dtype.get(weight))
+            return dx, dw, {}
         w_t = Quantized(s[n("w_t")], s[n("w_t_scale_inv")], cfg.weight.block) if need_dx else None
-        xq_t = Quantized(s[n("xt")], s[n("xt_scale_inv")], cfg.input.block) if need_dw else None
+        xq_t = Quantized(s[n("x_saved")], s[n("x_saved_scale_inv")], cfg.input.block) if need_dw else None
         dx, dw, new_g = backward_gemm(grad_out, w_t, xq_t, cfg, dx_dtype, ctx.dtype.get(weight),
                                       _state(s[n("g_history")], s[n("g_scale")]))
         sink = n("g_sink")
         return dx, dw, {sink: backward_amax(new_g) if ctx.need.get(sink) else None}
 
-
-def backward_amax(new_g: DelayedState | None) -> torch.Tensor | None:
-    """The grad history's "gradient": zeros, but for slot 0, which holds the amax this backward
-    recorded. Merged by max into whatever the history is when backward runs, it lands in the
-    current step's slot, as in TE, also when another step's forward ran in between."""
-    if new_g is None:
-        return None
-    history = new_g.amax_history
-    return torch.cat([history[:1], torch.zeros_like(history[1:])])
+    def _backward_unquantized(self, s, grad_out, need_dx, need_dw, dx_dtype, w_dtype):
+        # TE's backward_override: the output gradient stays in high precision and the two
+        # backward GEMMs read the saved operands in it: the forward's FP8 casts dequantized
+        # to the gradient's dtype ("dequantized"), or the original tensors ("high_precision").
+        n, cfg, dtype = self._n, self.cfg, grad_out.dtype
+        if cfg.backward_override == "dequantized":
+            w = dequantize(Quantized(s[n("w")], s[n("w_scale_inv")], cfg.weight.block), dtype) if need_dx else None
+            x = dequantize(Quantized(s[n("x_saved")], s[n("x_saved_scale_inv")], cfg.input.block), dtype) \
+                if need_dw else None
+        else:
+            w, x = s[self.weight].to(dtype), s[n("x_saved")]
+        dx = (grad_out @ w).to(dx_dtype) if need_dx else None                   # (tokens, in)
+        dw = (grad_out.t() @ x.to(dtype)).to(w_dtype) if need_dw else None     # (out, in)
+        return dx, dw

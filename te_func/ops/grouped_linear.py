@@ -44,7 +44,7 @@ class GroupedLinearFP8:
     def backward(self, s, grads, ctx):
         out, dxs = {}, []
         for i, (slot, gi) in enumerate(zip(self.slots, torch.split(grads["out"], list(self.m_splits)))):
-            dx, dw, sink = slot.backward(s, gi, ctx.need["x"], ctx.dtype["x"], f"weight{i}", ctx)
+            dx, dw, sink = slot.backward(s, gi, ctx.need["x"], ctx.dtype["x"], ctx)
             dxs.append(dx)
             out.update({f"weight{i}": dw, f"bias{i}": ctx.cast(f"bias{i}", gi.sum(0)), **sink})
         return {"x": torch.cat(dxs) if ctx.need["x"] else None, **out}

@@ -41,7 +41,7 @@ class LayerNormLinearFP8:
     def backward(self, s, grads, ctx):
         g = grads["out"]
         need_dln = ctx.need["x"] or ctx.need["ln_weight"] or ctx.need["ln_bias"]
-        dln, dw, sink = self.gemm.backward(s, g, need_dln, ctx.dtype["x"], "weight", ctx)
+        dln, dw, sink = self.gemm.backward(s, g, need_dln, ctx.dtype["x"], ctx)
         out = {"weight": dw, "bias": ctx.cast("bias", g.sum(0)), **sink}
         if need_dln:
             if grads["ln_out"] is not None:     # return_layernorm_output: TE adds its gradient

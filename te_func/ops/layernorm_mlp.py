@@ -54,12 +54,12 @@ class LayerNormMLPFP8:
         g, need = grads["out"], ctx.need
         need_dln = need["x"] or need["ln_weight"] or need["ln_bias"]
         need_dfc1 = need_dln or need["fc1_weight"] or need["fc1_bias"]
-        dact, dw2, sink2 = self.fc2.backward(s, g, need_dfc1, ctx.dtype["x"], "fc2_weight", ctx)
+        dact, dw2, sink2 = self.fc2.backward(s, g, need_dfc1, ctx.dtype["x"], ctx)
         out = {"fc2_weight": dw2, "fc2_bias": ctx.cast("fc2_bias", g.sum(0)), **sink2}
         if not need_dfc1:
             return out
         dfc1 = activation_backward(self.activation, dact, s["fc1_out"])       # (tokens, fc1 width)
-        dln, dw1, sink1 = self.fc1.backward(s, dfc1, need_dln, ctx.dtype["x"], "fc1_weight", ctx)
+        dln, dw1, sink1 = self.fc1.backward(s, dfc1, need_dln, ctx.dtype["x"], ctx)
         out.update(fc1_weight=dw1, fc1_bias=ctx.cast("fc1_bias", dfc1.sum(0)), **sink1)
         if need_dln:
             if grads["ln_out"] is not None:     # return_layernorm_output: TE adds its gradient

@@ -32,5 +32,5 @@ class LinearFP8:
 
     def backward(self, s, grads, ctx):
         g = grads["out"]                                                        # (tokens, out)
-        dx, dw, sink = self.gemm.backward(s, g, ctx.need["x"], ctx.dtype["x"], "weight", ctx)
+        dx, dw, sink = self.gemm.backward(s, g, ctx.need["x"], ctx.dtype["x"], ctx)
         return {"x": dx, "weight": dw, "bias": ctx.cast("bias", g.sum(0)), **sink}

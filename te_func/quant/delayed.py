@@ -6,11 +6,12 @@ the current step quantizes with. At the start of a step `delayed_update`
 turns the history into the new scale and rolls the history (TransformerEngine's
 `amax_and_scale_update`):
 
-    amax  = max(history)            ("max")   or history[0] ("most_recent")
-    scale = (fp8_max / amax) / 2**margin        in fp32
+    amax  = max(history)            ("max", NaN skipped)   or history[0] ("most_recent")
+    scale = (fp8_max * 2**-margin) / amax       in fp32
     scale = old scale                           where amax is 0, inf or NaN
     scale = largest finite fp32                 where the quotient overflows
     history <- [0, history[2], ..., history[L-1], history[0]]   (roll by -1, zero slot 0)
+    and nothing changes at all when history[0] is 0: TE skips a step that saw no amax.
 
 so the history always holds the last L recorded amaxes, the newest in slot 0
 until the next roll.
@@ -33,24 +34,26 @@ def init_delayed_state(recipe: DelayedScaling, device=None) -> DelayedState:
 
 
 def delayed_update(state: DelayedState, recipe: DelayedScaling, role: str) -> DelayedState:
-    """The state a new step starts from: the scale recomputed from `state.amax_history`,
-    the history rolled so that slot 0 is free for this step's amax.
+    """The state a new step starts from, as TE's fused amax-and-scale update leaves it.
 
     state.amax_history: (L,) float32; state.scale: () float32. Returns a new state;
-    nothing is mutated.
+    nothing is mutated. A step whose amax (slot 0) is 0 is skipped: no roll, no new
+    scale (an MoE expert that got no tokens, an all-zero tensor). NaN entries of the
+    history are skipped by the max, as TE's fmax does.
     """
     history, scale = state
-    fp8_max = scheme_for(recipe, role).fp8_max
+    last = history[0]
     if recipe.amax_compute_algo == "max":
-        amax = torch.amax(history)            # NaN anywhere in the window gives NaN: keep the scale
+        amax = torch.amax(torch.where(torch.isnan(history), 0.0, history))
     else:
-        amax = history[0]
-    # A true division: `fp8_max / amax` with a Python float is reciprocal(amax) * fp8_max
-    # in torch, rounded twice.
-    new_scale = (torch.full_like(amax, fp8_max) / amax) / (2.0 ** recipe.margin)
+        amax = last
+    amax = torch.where(last == 0, 0.0, amax)
+    # TE's arithmetic: (fp8_max * 2**-margin) / amax, one fp32 division.
+    scaled_max = scheme_for(recipe, role).fp8_max * 2.0 ** -recipe.margin
+    new_scale = torch.full_like(amax, scaled_max) / amax
     new_scale = torch.where((amax > 0) & torch.isfinite(amax), new_scale, scale)
     new_scale = torch.where(torch.isinf(new_scale), torch.finfo(torch.float32).max, new_scale)
     # roll(-1) then zero slot 0, written as one concatenation (no in-place write).
     rolled = torch.cat([history.new_zeros(1), history[2:], history[:1]]) if history.numel() > 1 \
         else history.new_zeros(1)
-    return DelayedState(rolled, new_scale)
+    return DelayedState(torch.where(last == 0, history, rolled), new_scale)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..recipe import (ROLES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                      MXFP8BlockScaling)
+                      MXFP8BlockScaling, NVFP4BlockScaling)
 
 __all__ = ["Scheme", "scheme_for", "scale_from_amax", "e8m0_scale_inv", "round_down_pow2"]
 
@@ -21,7 +21,7 @@ class Scheme:
     dtype: torch.dtype            # float8_e4m3fn or float8_e5m2
     fp8_max: float
     # None: one scale for the whole tensor. Else (rows, cols) of a block of the
-    # 2-D tensor; (1, 32) MXFP8, (1, 128) or (128, 128) Float8BlockScaling.
+    # 2-D tensor; (1, 32) or (32, 32) MXFP8, (1, 128) or (128, 128) Float8BlockScaling.
     block: tuple[int, int] | None
     rule: str                     # "current", "delayed" or "e8m0"
     amax_epsilon: float = 0.0
@@ -48,6 +48,8 @@ def scheme_for(recipe, role: str) -> Scheme:
     """The Scheme `recipe` uses for tensors of `role` ("input", "weight" or "grad")."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if isinstance(recipe, NVFP4BlockScaling):
+        raise NotImplementedError("NVFP4BlockScaling's quantization is not implemented yet")
     fmt = recipe.fp8_format
     dtype, fp8_max = fmt.dtype(role), fmt.max(role)
     if isinstance(recipe, Float8CurrentScaling):
@@ -56,7 +58,9 @@ def scheme_for(recipe, role: str) -> Scheme:
     if isinstance(recipe, DelayedScaling):
         return Scheme(dtype, fp8_max, None, "delayed", margin=recipe.margin)
     if isinstance(recipe, MXFP8BlockScaling):
-        return Scheme(dtype, fp8_max, (1, 32), "e8m0")
+        # enable_2d_quantization: 32x32 blocks for weights (one E8M0 scale per block).
+        block = (32, 32) if role == "weight" and recipe.enable_2d_quantization else (1, 32)
+        return Scheme(dtype, fp8_max, block, "e8m0")
     if isinstance(recipe, Float8BlockScaling):
         qp = recipe.qparams(role)
         block = (1, 128) if recipe.block_dim(role) == 1 else (128, 128)

@@ -55,6 +55,14 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> torch.Tensor:
     return torch.clamp(x.float() * scale, -s.fp8_max, s.fp8_max).to(s.dtype, memory_format=torch.contiguous_format)
 
 
+def abs_skipping_nan(x: torch.Tensor) -> torch.Tensor:
+    """|x| with NaN as 0, in fp32: TE takes amaxes with fmax, which skips NaN elements, so a
+    NaN neither freezes a delayed scale nor turns a whole block's scale into NaN (the
+    element itself still casts to NaN)."""
+    a = x.float().abs()
+    return torch.where(torch.isnan(a), 0.0, a)
+
+
 def _blocked(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """(rows, cols) -> (row_blocks, br, col_blocks, bc), zero-padded: zeros leave amax alone."""
     if x.dim() != 2:
@@ -104,7 +112,7 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state: DelayedState | None = Non
         fused = _fused_cast(x, s, state, with_transpose=False)
         if fused is not None:
             return fused[0], fused[2]
-        amax = torch.amax(torch.abs(x)).float() if x.numel() else torch.zeros((), device=x.device)
+        amax = torch.amax(abs_skipping_nan(x)) if x.numel() else torch.zeros((), device=x.device)
         if s.rule == "delayed":
             scale, new_state = state.scale, _record_amax(state, amax)
         else:
@@ -112,7 +120,7 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state: DelayedState | None = Non
         return Quantized(_cast(x, scale, s), torch.reciprocal(scale)), new_state
 
     blocks = _blocked(x, s.block)
-    amax = torch.amax(torch.abs(blocks), dim=(1, 3)).float()   # (row_blocks, col_blocks)
+    amax = torch.amax(abs_skipping_nan(blocks), dim=(1, 3))      # (row_blocks, col_blocks)
     if s.rule == "e8m0":
         scale_inv = e8m0_scale_inv(amax, s.fp8_max)
         scale = torch.reciprocal(scale_inv.float())              # exact: a power of 2
