@@ -143,7 +143,7 @@ def _entry_problems(model, ws, recipe, owners: dict):
     under `recipe`; fills `owners` with {id(module): (path, entry names)}."""
     expected = {RECIPE_KEY}
     for path, m, spec in _layer_specs(model, recipe):
-        owners[id(m)] = (path, tuple(spec))
+        owners[id(m)] = (path, tuple(spec), tuple(k for k, e in spec.items() if e.backward))
         # A model on "meta" (the usual base of a vmapped ensemble) says nothing about devices.
         device = next((p.device for p in m.parameters() if p.device.type != "meta"), None)
         for name, (shape, dtype, _) in spec.items():
@@ -173,7 +173,7 @@ def validate_workspaces(model, ws, recipe):
     shape, dtype and device, no other, and was made for `recipe`; raise an error naming
     what does not fit (the recipe first, then the first entry).
 
-    Returns {id(module): (its path, its entry names)} for the frame.
+    Returns {id(module): (its path, its entry names, those updated in backward)} for the frame.
     """
     if not isinstance(ws, dict):
         raise TypeError(f"workspaces must be the dict from tef.init_workspaces(model, recipe), got {type(ws).__name__}")
@@ -208,7 +208,7 @@ def _model_lock(model: nn.Module):
 
 
 def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *, recipe,
-                    is_first_microbatch: bool | None = None):
+                    is_first_microbatch: bool | None = None, _watch=None):
     """Run `model` with `params` (as torch.func.functional_call takes them) and
     workspaces `ws`. Returns `(out, new_ws)`; nothing passed in is mutated.
 
@@ -222,7 +222,11 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
     if scope is not None:
         scope.backward_keys.update(k for k, e in workspace_spec(model, recipe).items() if e.backward)
     args = args if isinstance(args, tuple) else (args,)
-    frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"))
+    if recipe is not None and not owners:
+        raise ValueError(f"tef.functional_call: the model ({type(model).__name__}) has no te_func layers, so "
+                         f"recipe={type(recipe).__name__} would change nothing; convert it first: tef.convert(model)")
+    frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"),
+                  update_state=torch.is_grad_enabled(), watch=_watch)
     with _model_lock(model), push(frame):
         out = torch.func.functional_call(model, params, args, kwargs or {})
     return out, {**ws, **frame.updates}

@@ -6,6 +6,9 @@ torch.compile) and its math:
     outputs         every tensor `forward` returns, by name
     differentiable  those of them that receive gradients; the others (new
                     state, what backward reads) are non-differentiable
+    carried         output name -> input name: state whose new value is known only
+                    in backward, where it comes back as that input's gradient
+                    ("overwrite with gradient"); `on_backward` hooks onto it
     saved           the inputs and outputs `backward` reads, by name
     forward(t)                  t: input name -> tensor or None; returns output name -> tensor or None
     backward(saved, grads, ctx) returns input name -> gradient (names left out get None)
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["call", "GradContext"]
+__all__ = ["call", "GradContext", "on_backward"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,10 @@ class _Boundary(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         op, names, *values = inputs
         outputs = dict(zip(op.outputs, output))
-        ctx.mark_non_differentiable(*(t for k, t in outputs.items() if k not in op.differentiable and t is not None))
+        # Carried state stays "differentiable" so that it keeps this node as its grad_fn
+        # (see on_backward); nothing differentiates it, so its gradient is only ever zero.
+        keep = set(op.differentiable) | set(op.carried)
+        ctx.mark_non_differentiable(*(t for k, t in outputs.items() if k not in keep and t is not None))
         named = {**dict(zip(names, values)), **outputs}
         ctx.save_for_backward(*(named.get(k) for k in op.saved))
         ctx.op, ctx.names = op, names
@@ -84,3 +90,24 @@ def _apply(op, names, *values):
 def call(op, **tensors) -> dict:
     """Run `op` on `tensors` (name -> tensor or None); returns its outputs by name."""
     return dict(zip(op.outputs, _apply(op, tuple(tensors), *tensors.values())))
+
+
+def on_backward(t: torch.Tensor, fn) -> bool:
+    """When `t` is carried state of a te_func op (op.carried), call fn(new value) when that op's
+    backward runs, whichever inputs the backward was asked for (a post-hook on the op's node sees
+    every gradient it computes, also those autograd then drops). Returns whether `t` is such state.
+    """
+    node = t.grad_fn
+    op = getattr(node, "op", None)
+    if op is None or not isinstance(getattr(node, "names", None), tuple):
+        return False
+    source = op.carried.get(op.outputs[t.output_nr])
+    if source is None:
+        return False
+    index = 2 + node.names.index(source)        # after forward's (op, names)
+
+    def hook(grad_inputs, grad_outputs):
+        if grad_inputs[index] is not None:
+            fn(grad_inputs[index])
+    node.register_hook(hook)
+    return True

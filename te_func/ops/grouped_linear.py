@@ -30,6 +30,10 @@ class GroupedLinearFP8:
         return ("out", *(k for slot in self.slots for k in slot.outputs))
 
     @property
+    def carried(self):
+        return {k: v for slot in self.slots for k, v in slot.carried.items()}
+
+    @property
     def saved(self):
         return tuple(k for slot in self.slots for k in slot.saved)
 
