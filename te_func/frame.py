@@ -217,14 +217,14 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
     quantizes and stores. A layer called again within the call runs as False.
     A layer's own `is_first_microbatch=` argument, when given, wins.
     """
+    if recipe is not None and not _te_modules(model):
+        raise ValueError(f"tef.functional_call: the model ({type(model).__name__}) has no te_func layers, so "
+                         f"recipe={type(recipe).__name__} would change nothing; convert it first: tef.convert(model)")
     owners = validate_workspaces(model, ws, recipe)
     scope = current_grad_scope()
     if scope is not None:
         scope.backward_keys.update(k for k, e in workspace_spec(model, recipe).items() if e.backward)
     args = args if isinstance(args, tuple) else (args,)
-    if recipe is not None and not owners:
-        raise ValueError(f"tef.functional_call: the model ({type(model).__name__}) has no te_func layers, so "
-                         f"recipe={type(recipe).__name__} would change nothing; convert it first: tef.convert(model)")
     frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"),
                   update_state=torch.is_grad_enabled(), watch=_watch)
     with _model_lock(model), push(frame):

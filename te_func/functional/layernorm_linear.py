@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from ..ops import LayerNormLinearFP8, call
 from ..ops.normalization import norm_reference
 from ..quant import Gemm
-from ._common import check_input, first_microbatch
+from ._common import autocast_input, check_input, first_microbatch
 from ._fused import check_norm_params, norm_config
 from ._gemm import GemmStep
 
@@ -44,6 +44,7 @@ def layernorm_linear(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.
     else:
         step = GemmStep.begin(LAYERNORM_LINEAR_GEMMS[0], weight, recipe, workspace,
                               first_microbatch(is_first_microbatch, layer), update_state)
+        inp = autocast_input(inp)
         x = inp.reshape(-1, in_features)                                            # (tokens, in)
         res = call(LayerNormLinearFP8(step.slot, norm_cfg), x=x, ln_weight=ln_weight, ln_bias=ln_bias,
                    weight=weight, bias=bias, **step.tensors())

@@ -8,7 +8,7 @@ from ..ops import LayerNormMLPFP8, call
 from ..ops.activations import activation_reference, check_activation, is_gated
 from ..ops.normalization import norm_reference
 from ..quant import Gemm
-from ._common import check_input, first_microbatch
+from ._common import autocast_input, check_input, first_microbatch
 from ._fused import check_norm_params, norm_config
 from ._gemm import GemmStep
 
@@ -64,6 +64,7 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
         ifm = first_microbatch(is_first_microbatch, layer)
         fc1, fc2 = (GemmStep.begin(g, w, recipe, workspace, ifm, update_state, prefix=f"{name}.")
                     for g, w, name in zip(LAYERNORM_MLP_GEMMS, (fc1_weight, fc2_weight), ("fc1", "fc2")))
+        inp = autocast_input(inp)
         x = inp.reshape(-1, hidden)                                                 # (tokens, hidden)
         res = call(LayerNormMLPFP8(fc1.slot, fc2.slot, norm_cfg, activation), x=x, ln_weight=ln_weight,
                    ln_bias=ln_bias, fc1_weight=fc1_weight, fc1_bias=fc1_bias, fc2_weight=fc2_weight,

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from ..ops import LinearFP8, call
 from ..quant import Gemm
-from ._common import check_input, first_microbatch
+from ._common import autocast_input, check_input, first_microbatch
 from ._gemm import GemmStep
 
 __all__ = ["linear", "LINEAR_GEMMS"]
@@ -33,6 +33,7 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
         return F.linear(inp, weight.to(inp.dtype), None if bias is None else bias.to(inp.dtype)), workspace
     ifm = first_microbatch(is_first_microbatch, "Linear")
     step = GemmStep.begin(LINEAR_GEMMS[0], weight, recipe, workspace, ifm, update_state)
+    inp = autocast_input(inp)
     x = inp.reshape(-1, in_features)                                                # (tokens, in)
     out = call(LinearFP8(step.slot), x=x, weight=weight, bias=bias, **step.tensors())
     return out["out"].reshape(*inp.shape[:-1], out_features), {**workspace, **step.entries(out)}
