@@ -190,6 +190,11 @@ def test_linear_takes_non_contiguous_inputs_and_gradients_on_cuda(cuda, recipe):
     (grads, dx), _ = tef.grad(loss_fn, argnums=(0, 2))(params, ws, x_t, g_t)
     (want, want_dx), _ = tef.grad(loss_fn, argnums=(0, 2))(params, ws, x_t.contiguous(), g_t.contiguous())
     # The same FP8 casts feed the same GEMMs; only the bias gradient's sum runs in
-    # another order over a column-major gradient.
-    assert torch.equal(dx, want_dx) and torch.equal(grads["0.weight"], want["0.weight"])
+    # another order over a column-major gradient. With backward_override the backward
+    # GEMMs run in high precision, where cuBLAS picks its kernel (and its order) by layout.
+    if recipe.backward_override is None:
+        assert torch.equal(dx, want_dx) and torch.equal(grads["0.weight"], want["0.weight"])
+    else:
+        assert torch.allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(grads["0.weight"], want["0.weight"], rtol=1e-5, atol=1e-5)
     assert torch.allclose(grads["0.bias"], want["0.bias"], rtol=1e-5, atol=1e-5)

@@ -56,7 +56,8 @@ class _Boundary(torch.autograd.Function):
         # torch.autocast around a layer must not round it to bf16 behind its back.
         with _no_autocast(values):
             out = op.forward(dict(zip(names, values)))
-        unknown = out.keys() - set(op.outputs)
+        # Plain loops, not set algebra on dict views: torch 2.11's dynamo cannot trace the latter.
+        unknown = [k for k in out if k not in op.outputs]
         if unknown:
             raise RuntimeError(f"{type(op).__name__}.forward returned {sorted(unknown)}, not among its outputs")
         return tuple(out.get(k) for k in op.outputs)
@@ -85,7 +86,7 @@ class _Boundary(torch.autograd.Function):
         out_grads = {k: g for k, g in zip(op.outputs, grads) if k in op.differentiable}
         with _no_autocast(grads):
             input_grads = op.backward(saved, out_grads, GradContext(need, ctx.dtypes))
-        unknown = input_grads.keys() - need.keys()
+        unknown = [k for k in input_grads if k not in need]
         if unknown:
             raise RuntimeError(f"{type(op).__name__}.backward returned gradients of {sorted(unknown)}, "
                                f"which are not among its inputs")

@@ -145,7 +145,8 @@ class Gemm:
         s = scheme_for(recipe, "weight")
         p = f"{self.weight}_cast."
         flat = {k[len(p):]: v for k, v in workspace.items() if k.startswith(p)}
-        cast = cast_from_flat(flat, s) if set(cast_entries((1, 1), s)) <= flat.keys() else None
+        # all(...), not `set <= keys`: torch 2.11's dynamo cannot trace set comparisons.
+        cast = cast_from_flat(flat, s) if all(k in flat for k in cast_entries((1, 1), s)) else None
         if not isinstance(recipe, DelayedScaling):
             return GemmWorkspace(cast)
         states = {}
