@@ -17,7 +17,8 @@ from torch._C import _functorch
 
 from ..recipe import DelayedScaling
 
-__all__ = ["Frame", "GradScope", "push", "bind", "current_grad_scope", "transform_level"]
+__all__ = ["Frame", "CallScope", "push", "bind", "push_call_scope", "current_call_scope", "open_call_scopes",
+           "transform_level"]
 
 _local = threading.local()
 
@@ -51,10 +52,16 @@ class Frame:
 
 
 @dataclass
-class GradScope:
-    """Opened by tef.grad around its function: each functional_call inside adds the
-    workspace entries its model updates in backward."""
-    backward_keys: set = field(default_factory=set)
+class CallScope:
+    """Opened by tef.grad and te_func.vmapped around a function they transform: each
+    functional_call inside, in every open scope, adds what its model's workspaces hold."""
+    spec: dict = field(default_factory=dict)          # key -> Entry of every entry the calls read
+    batch_spec: dict = field(default_factory=dict)    # key -> Entry of the batch-scope entries they could read
+
+    @property
+    def backward_keys(self) -> set:
+        """The entries whose new value backward computes (Entry.backward)."""
+        return {k for k, e in self.spec.items() if e.backward}
 
 
 @contextlib.contextmanager
@@ -76,13 +83,17 @@ def push(frame: Frame):
     return _pushed("frames", frame)
 
 
-def push_grad_scope(scope: GradScope):
-    return _pushed("grad_scopes", scope)
+def push_call_scope(scope: CallScope):
+    return _pushed("call_scopes", scope)
 
 
-def current_grad_scope() -> GradScope | None:
-    stack = _stack("grad_scopes")
+def current_call_scope() -> CallScope | None:
+    stack = _stack("call_scopes")
     return stack[-1] if stack else None
+
+
+def open_call_scopes() -> list[CallScope]:
+    return list(_stack("call_scopes"))
 
 
 def bind(module, layer: str, is_first_microbatch: bool | None):

@@ -10,11 +10,13 @@ LayerNormMLP and GroupedLinear differ only in what they do around their slots.
 Tensors of a slot with prefix p (None where the recipe keeps no such state):
     inputs   p+w, p+w_scale_inv          the weight's cast (out, in)
              p+w_t, p+w_t_scale_inv      the cast of weight.T (in, out), for the input gradient
-             p+x_history, p+x_scale      DelayedScaling: the GEMM input's state for this step
-             p+g_history, p+g_scale      ... and the output gradient's
-             p+g_sink                    the grad history's workspace entry: its "gradient" carries
+             p+x_record, p+x_scale       the GEMM input's state for this call: DelayedScaling's
+                                         amax history and scale, or in batch scope the batch's
+                                         amax (te_func.quant.BatchAmax; no scale)
+             p+g_record, p+g_scale       ... and the output gradient's
+             p+g_sink                    the grad record's workspace entry: its "gradient" carries
                                          the backward amax (see `backward_amax`)
-    outputs  p+new_x_history             the input history with this call's amax recorded
+    outputs  p+new_x_record              the input record with this call's amax recorded
              p+x_saved, p+x_saved_scale_inv   what the weight-gradient GEMM reads of the input:
                                          the cast of x.T (blocks along tokens); with the recipe's
                                          backward_override, the cast of x ("dequantized") or x
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from ..gemm import gemm
-from ..quant import DelayedState, Quantized, Scheme, WeightCast, dequantize, quantize_scheme, quantize_with_transpose
+from ..quant import (BatchAmax, DelayedState, Quantized, Scheme, WeightCast, dequantize, quantize_scheme,
+                     quantize_with_transpose)
 from ..quant import scheme_for
 
 __all__ = ["GemmConfig", "GemmSlot", "forward_gemm", "backward_gemm", "backward_amax"]
@@ -60,7 +63,7 @@ class GemmConfig:
 
 
 def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: GemmConfig,
-                 x_state: DelayedState | None = None):
+                 x_state: DelayedState | BatchAmax | None = None):
     """x (tokens, in) @ w (out, in).T + bias -> (out (tokens, out), x's cast, x.T's cast or None, new x state).
 
     The cast of x.T (blocks along tokens, what the weight-gradient GEMM reads) is made
@@ -77,7 +80,7 @@ def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: 
 
 
 def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized | None, cfg: GemmConfig,
-                  x_dtype: torch.dtype, w_dtype: torch.dtype, g_state: DelayedState | None = None):
+                  x_dtype: torch.dtype, w_dtype: torch.dtype, g_state: DelayedState | BatchAmax | None = None):
     """grad_out (tokens, out) -> (dx (tokens, in) or None, dw (out, in) or None, new grad state).
 
     dx is computed when `w_t` (the cast of weight.T) is given, dw when `xq_t` is.
@@ -94,16 +97,22 @@ def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized
     return dx, dw, new_state
 
 
-def _state(history, scale) -> DelayedState | None:
-    return None if history is None else DelayedState(history, scale)
+def _state(s: Scheme, record, scale) -> DelayedState | BatchAmax | None:
+    """A role's state from its tensors: a history and a scale (the delayed rule), or an amax."""
+    if record is None:
+        return None
+    return DelayedState(record, scale) if s.rule == "delayed" else BatchAmax(record)
 
 
-def backward_amax(new_g: DelayedState | None) -> torch.Tensor | None:
-    """The grad history's "gradient": zeros, but for slot 0, which holds the amax this backward
-    recorded. Merged by max into whatever the history is when backward runs, it lands in the
-    current step's slot, as in TE, also when another step's forward ran in between."""
+def backward_amax(new_g: DelayedState | BatchAmax | None) -> torch.Tensor | None:
+    """The grad record's "gradient". For a history: zeros, but for slot 0, which holds the amax
+    this backward recorded; merged by max into whatever the history is when backward runs, it
+    lands in the current step's slot, as in TE, also when another step's forward ran in between.
+    For a batch amax: the amax itself, merged by max likewise."""
     if new_g is None:
         return None
+    if isinstance(new_g, BatchAmax):
+        return new_g.amax
     history = new_g.amax_history
     return torch.cat([history[:1], torch.zeros_like(history[1:])])
 
@@ -121,7 +130,7 @@ class GemmSlot:
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return tuple(map(self._n, ("new_x_history", "x_saved", "x_saved_scale_inv")))
+        return tuple(map(self._n, ("new_x_record", "x_saved", "x_saved_scale_inv")))
 
     @property
     def saved(self) -> tuple[str, ...]:
@@ -129,36 +138,36 @@ class GemmSlot:
         # backward_override the forward's cast ("dequantized") or the weight itself.
         w = {None: ("w_t", "w_t_scale_inv"), "dequantized": ("w", "w_scale_inv"),
              "high_precision": ()}[self.cfg.backward_override]
-        own = tuple(map(self._n, (*w, "x_saved", "x_saved_scale_inv", "g_history", "g_scale")))
+        own = tuple(map(self._n, (*w, "x_saved", "x_saved_scale_inv", "g_record", "g_scale")))
         return own + ((self.weight,) if self.cfg.backward_override == "high_precision" else ())
 
-    def inputs(self, cast: WeightCast, x_state: DelayedState | None, g_state: DelayedState | None,
-               g_sink: torch.Tensor | None) -> dict:
+    def inputs(self, cast: WeightCast, x_state: DelayedState | BatchAmax | None,
+               g_state: DelayedState | BatchAmax | None, g_sink: torch.Tensor | None) -> dict:
         """This slot's input tensors by name, from the GEMM's weight cast and states for this call."""
-        x_history, x_scale = (None, None) if x_state is None else x_state
-        g_history, g_scale = (None, None) if g_state is None else g_state
+        record = lambda st: None if st is None else st.record                       # noqa: E731
+        scale = lambda st: st.scale if isinstance(st, DelayedState) else None       # noqa: E731
         return {self._n(k): v for k, v in (
             ("w", cast.rowwise.data), ("w_scale_inv", cast.rowwise.scale_inv),
             ("w_t", cast.columnwise.data), ("w_t_scale_inv", cast.columnwise.scale_inv),
-            ("x_history", x_history), ("x_scale", x_scale),
-            ("g_sink", g_sink), ("g_history", g_history), ("g_scale", g_scale))}
+            ("x_record", record(x_state)), ("x_scale", scale(x_state)),
+            ("g_sink", g_sink), ("g_record", record(g_state)), ("g_scale", scale(g_state)))}
 
-    def new_input_state(self, outputs: dict, x_state: DelayedState | None) -> DelayedState | None:
+    def new_input_state(self, outputs: dict, x_state):
         """The input role's state after the call: `x_state` with this call's amax recorded."""
-        return None if x_state is None else DelayedState(outputs[self._n("new_x_history")], x_state.scale)
+        return None if x_state is None else x_state.with_record(outputs[self._n("new_x_record")])
 
     def forward(self, t: dict, x: torch.Tensor, bias: torch.Tensor | None):
         """x (tokens, in) -> (out (tokens, out) in x's dtype, this slot's outputs by name)."""
         n, cfg = self._n, self.cfg
         w = Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block)
-        out, xq, xq_t, new_x = forward_gemm(x, w, bias, cfg, _state(t[n("x_history")], t[n("x_scale")]))
+        out, xq, xq_t, new_x = forward_gemm(x, w, bias, cfg, _state(cfg.input, t[n("x_record")], t[n("x_scale")]))
         saved, saved_scale_inv = None, None
         if cfg.save_input:
             saved, saved_scale_inv = {None: (None if xq_t is None else xq_t.data, None if xq_t is None else xq_t.scale_inv),
                                       "dequantized": (xq.data, xq.scale_inv),
                                       # a view: a Function may not save an input it returns as is
                                       "high_precision": (x.view_as(x), None)}[cfg.backward_override]
-        return out, {n("new_x_history"): None if new_x is None else new_x.amax_history,
+        return out, {n("new_x_record"): None if new_x is None else new_x.record,
                      n("x_saved"): saved, n("x_saved_scale_inv"): saved_scale_inv}
 
     def backward(self, s: dict, grad_out: torch.Tensor, need_dx: bool, dx_dtype: torch.dtype | None, ctx):
@@ -174,7 +183,7 @@ class GemmSlot:
         w_t = Quantized(s[n("w_t")], s[n("w_t_scale_inv")], cfg.weight.block) if need_dx else None
         xq_t = Quantized(s[n("x_saved")], s[n("x_saved_scale_inv")], cfg.input.block) if need_dw else None
         dx, dw, new_g = backward_gemm(grad_out, w_t, xq_t, cfg, dx_dtype, ctx.dtype.get(weight),
-                                      _state(s[n("g_history")], s[n("g_scale")]))
+                                      _state(cfg.grad, s[n("g_record")], s[n("g_scale")]))
         sink = n("g_sink")
         return dx, dw, {sink: backward_amax(new_g) if ctx.need.get(sink) else None}
 
