@@ -127,10 +127,6 @@ def _layout_problem(ws: dict) -> str | None:
                 f"makes for an ensemble): call tef.functional_call on them under torch.func.vmap with in_dims "
                 f"0 over the workspaces, take the sets apart with tef.unstack_workspaces, or, for per-sample "
                 f"workspaces, fold them with tef.fold_workspaces")
-    if t.dim() == 0 and torch._C._functorch.is_functorch_wrapped_tensor(t):
-        return (f"workspace entry {RECIPE_KEY!r} has shape (): a vmap sliced one model's workspaces along "
-                f"dim 0. Give them in_dims None (every sample shares them; tef.per_sample_grad does that), "
-                f"or stack one set per member for an ensemble (tef.stack_module_state)")
     return None
 
 

@@ -1,7 +1,8 @@
 """The transform matrix: every layer x every recipe through every transform.
 
 Columns: eager module call, tef.functional_call, tef.grad, torch.func.vmap
-(per-sample gradients and a stacked ensemble), torch.compile(fullgraph=True)
+(per-sample gradients and a stacked ensemble), tef.per_sample_grad in both
+quantization scopes (chunked and compiled too), torch.compile(fullgraph=True)
 of a whole train step, and tef.Stateful. Rows come from tests/cases.py, so a
 new layer or recipe joins every column by adding one row there.
 
@@ -19,6 +20,7 @@ import torch._dynamo.testing
 
 import te_func as tef
 from cases import LAYERS, RECIPES, detached_params, needs_state, sqnr
+from te_func.recipe import Float8BlockScaling, MXFP8BlockScaling
 
 BATCH = 4
 
@@ -49,10 +51,18 @@ class Setup:
         """Where an eager call of the model runs with this recipe (stateless recipes only)."""
         return tef.autocast(self.recipe) if self.recipe is not None else torch.enable_grad()
 
+    @property
+    def in_dims(self):
+        """tef.per_sample_grad's in_dims for (inputs, target): the samples along dim 0 of the
+        first input and of the target, the other inputs shared."""
+        return ((0,) + (None,) * (len(self.inputs) - 1), 0)
 
-def make_setup(case, recipe, dtype=torch.float32) -> Setup:
+
+def make_setup(case, recipe, dtype=torch.float32, tokens: int = 8) -> Setup:
+    """`tokens` per sample: a multiple of the 8 the cases draw (per-sample cases only)."""
     model = case.make(dtype)
-    inputs = case.inputs(BATCH, dtype)
+    first, *rest = case.inputs(BATCH * tokens // 8, dtype)                  # (batch * tokens / 8, 8, features)
+    inputs = (first.reshape(BATCH, tokens, first.shape[-1]), *rest)          # (batch, tokens, features)
     with torch.no_grad():
         out = case.output(model(*inputs, **case.kwargs))
     return Setup(case, model, recipe, inputs, torch.randn(out.shape), case.kwargs)
@@ -200,12 +210,12 @@ def test_vmap_per_sample_grads(case, recipe):
 
 @pytest.mark.parametrize("case, recipe", MATRIX)
 def test_vmap_ensemble_of_stacked_models(case, recipe):
-    """4 models stacked with torch.func.stack_module_state, their workspaces stacked entry-wise:
-    member i of the vmapped call equals running model i alone (output and new workspaces)."""
+    """4 models stacked with tef.stack_module_state (parameters, buffers and workspaces in one
+    call): member i of the vmapped call equals running model i alone (output and new
+    workspaces), and tef.unstack_module_state gives back each member's."""
     members = [case.make(torch.float32) for _ in range(4)]
-    params, buffers = torch.func.stack_module_state(members)
     member_ws = [tef.init_workspaces(m, recipe) for m in members]
-    ws = {k: torch.stack([w[k] for w in member_ws]) for k in member_ws[0]}
+    params, buffers, ws = tef.stack_module_state(members, recipe, member_ws)
     inputs = case.inputs(BATCH, torch.float32)
     base = members[0]
 
@@ -214,11 +224,107 @@ def test_vmap_ensemble_of_stacked_models(case, recipe):
                                    is_first_microbatch=True)
 
     out, new_ws = torch.func.vmap(run)(params, buffers, ws)
-    for i, m in enumerate(members):
-        out_i, ws_i = tef.functional_call(m, detached_params(m), member_ws[i], inputs, case.kwargs,
-                                          recipe=recipe, is_first_microbatch=True)
+    unstacked = tef.unstack_module_state(params, buffers, new_ws)
+    assert len(unstacked) == len(members)
+    for i, (m, (p_i, _, ws_i)) in enumerate(zip(members, unstacked)):
+        out_i, want_ws = tef.functional_call(m, detached_params(m), member_ws[i], inputs, case.kwargs,
+                                             recipe=recipe, is_first_microbatch=True)
         assert torch.equal(case.output(out)[i], case.output(out_i))
-        assert_dicts_equal({k: v[i] for k, v in new_ws.items()}, ws_i)
+        assert_dicts_equal(ws_i, want_ws)
+        assert_dicts_equal({k: v.detach() for k, v in p_i.items()}, detached_params(m))
+
+
+# --- tef.per_sample_grad: the two quantization scopes ------------------------------------------
+
+PER_SAMPLE_MATRIX = [p for p in MATRIX if p.values[0].per_sample]
+U = 2.0 ** -24          # fp32's unit roundoff
+
+
+def whole_blocks(recipe) -> int:
+    """Tokens per sample that fill whole blocks along the tokens (32 MXFP8, 128 Float8BlockScaling),
+    so that no block of the batch spans two samples; 8 where the scales are tensor-wise."""
+    return {MXFP8BlockScaling: 32, Float8BlockScaling: 128}.get(type(recipe), 8)
+
+
+def per_token(s: Setup):
+    """(inputs, target) with every token a sample of one token."""
+    first, *rest = s.inputs
+    return (first.reshape(-1, 1, first.shape[-1]), *rest), s.target.reshape(-1, 1, s.target.shape[-1])
+
+
+@pytest.mark.parametrize("case, recipe", PER_SAMPLE_MATRIX)
+def test_per_sample_grad_is_vmap_of_grad_with_workspaces_folded(case, recipe):
+    """scope="sample" computes what torch.func.vmap(tef.grad) computes, bit for bit, chunked or
+    not; its workspaces come back once, in their own shapes: the vmap's, folded."""
+    s = make_setup(case, recipe)
+    params, ws = detached_params(s.model), tef.init_workspaces(s.model, recipe)
+    raw, raw_ws = torch.func.vmap(tef.grad(s.loss_fn), in_dims=(None, None, *s.in_dims))(
+        params, ws, s.inputs, s.target)
+    for chunk_size in (None, 3):
+        grads, new_ws = tef.per_sample_grad(s.loss_fn, s.in_dims, chunk_size=chunk_size)(
+            params, ws, s.inputs, s.target)
+        assert_dicts_equal(grads, raw)
+        assert_dicts_equal(new_ws, tef.fold_workspaces(s.model, raw_ws, recipe))
+        assert all(new_ws[k].shape == ws[k].shape for k in ws)
+
+
+@pytest.mark.parametrize("case, recipe", PER_SAMPLE_MATRIX)
+def test_batch_scope_per_sample_grads_add_up_to_the_batch_gradient(case, recipe):
+    """scope="batch": quantized with the whole batch's scales, the per-sample gradients add up to
+    tef.grad of the batch up to fp32 summation order, and the workspaces equal the batch's bit
+    for bit. Bit for bit the sums cannot agree: tef.grad adds the batch's tokens in one GEMM, the
+    per-sample path per sample and then over samples. Two orders of a sum of n terms t differ by
+    at most 2 n u sum|t| (u = 2**-24). The terms are the per-token gradients; their magnitudes
+    are taken from the high-precision model (every token a sample) and doubled, which covers the
+    FP8 operands' distance from it (measured: the error stays below a tenth of the undoubled
+    bound over every layer and recipe)."""
+    s = make_setup(case, recipe, tokens=whole_blocks(recipe))
+    params, ws = detached_params(s.model), tef.init_workspaces(s.model, recipe)
+    batch, batch_ws = tef.grad(s.loss_fn)(params, ws, s.inputs, s.target)
+    per_sample = tef.per_sample_grad(s.loss_fn, s.in_dims, scope="batch")
+    grads, new_ws = per_sample(params, ws, s.inputs, s.target)
+    assert_dicts_equal(new_ws, batch_ws)
+    hp = Setup(case, s.model, None, s.inputs, s.target, s.kwargs)
+    terms, _ = tef.per_sample_grad(hp.loss_fn, s.in_dims)(params, tef.init_workspaces(s.model, None), *per_token(s))
+    n = s.inputs[0].shape[0] * s.inputs[0].shape[1]
+    bounds = {k: 2 * n * U * 2 * terms[k].double().abs().sum(0) for k in params}
+    for k in params:
+        assert grads[k].shape == (BATCH, *params[k].shape)
+        err = (grads[k].sum(0).double() - batch[k].double()).abs()
+        assert (err <= bounds[k]).all(), (k, (err / bounds[k]).max())
+    if tef.frame.batch_scope_spec(s.model, recipe):
+        # Where the scopes differ (current scaling), the sample scope misses that bound by far.
+        own, _ = tef.per_sample_grad(s.loss_fn, s.in_dims)(params, ws, s.inputs, s.target)
+        assert any(((own[k].sum(0).double() - batch[k].double()).abs() > 100 * bounds[k]).any() for k in params
+                   if k.endswith("weight") and params[k].dim() == 2)
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(r, id=rid) for rid, r in RECIPES])
+@pytest.mark.parametrize("scope", ["sample", "batch"])
+def test_per_sample_grad_compiles_chunked(scope, recipe):
+    """torch.compile(fullgraph=True) of tef.per_sample_grad in chunks of 2 samples, on Linear
+    (LayerNormMLP compiles under vmap in examples/dp_sgd.py's test): one graph for two calls,
+    results equal to eager's, chunked or not, bit for bit. Where the scopes coincide (every
+    recipe but current scaling's) the sample scope is the batch scope's per-sample pass and is
+    not compiled again; the scopes' quantize paths differ only in tensor-wise current scaling,
+    whose backward_override variant is left to the eager columns."""
+    if scope == "sample" and (recipe is None or not tef.frame.batch_scope_spec(LAYERS[0].make(torch.float32), recipe)
+                              or recipe.backward_override is not None):
+        pytest.skip("the batch-scope case compiles the same per-sample pass")
+    torch._dynamo.reset()
+    s = make_setup(LAYERS[0], recipe)
+    params, ws = detached_params(s.model), tef.init_workspaces(s.model, recipe)
+    per_sample = tef.per_sample_grad(s.loss_fn, s.in_dims, scope=scope, chunk_size=2)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(per_sample, fullgraph=True, backend=counter)
+    for _ in range(2):
+        got, got_ws = compiled(params, ws, s.inputs, s.target)
+        want, want_ws = per_sample(params, ws, s.inputs, s.target)
+        whole, whole_ws = tef.per_sample_grad(s.loss_fn, s.in_dims, scope=scope)(params, ws, s.inputs, s.target)
+        for a, b in ((got, want), (got_ws, want_ws), (want, whole), (want_ws, whole_ws)):
+            assert_dicts_equal(a, b)
+        ws = got_ws
+    assert counter.frame_count == 1
 
 
 # --- torch.compile ------------------------------------------------------------------------------

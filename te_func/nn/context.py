@@ -20,15 +20,20 @@ from ..recipe import DelayedScaling
 __all__ = ["Frame", "CallScope", "push", "bind", "push_call_scope", "current_call_scope", "open_call_scopes",
            "transform_level"]
 
-_local = threading.local()
+class _Stacks(threading.local):
+    # Made when a thread first touches them, never later: torch.compile guards on the
+    # attributes it reads, and a stack created during the first trace would recompile the
+    # function on the second call.
+    def __init__(self):
+        self.frames: list = []
+        self.call_scopes: list = []
+
+
+_local = _Stacks()
 
 
 def _stack(name: str) -> list:
-    stack = getattr(_local, name, None)
-    if stack is None:
-        stack = []
-        setattr(_local, name, stack)
-    return stack
+    return getattr(_local, name)
 
 
 def transform_level() -> int | None:
