@@ -164,9 +164,13 @@ def _entry_problems(model, ws, recipe, owners: dict):
     """Yields (exception class, message) for each entry of `ws` that does not fit `model`
     under `recipe`; fills `owners` with {id(module): (path, entry names)}."""
     expected = {RECIPE_KEY}
+    layers = _layer_specs(model, recipe, batch_scope=True)
     # Batch scope (te_func.vmapped) adds every batch-scope entry of the model, or none.
-    batch_scope = any(k in ws for k in batch_scope_spec(model, recipe))
-    for path, m, spec in _layer_specs(model, recipe, batch_scope):
+    batch_scope = any(_prefix(path) + k in ws for path, _, spec in layers for k, e in spec.items()
+                      if e.kind == "batch_amax")
+    for path, m, spec in layers:
+        if not batch_scope:
+            spec = {k: e for k, e in spec.items() if e.kind != "batch_amax"}
         owners[id(m)] = (path, tuple(spec))
         # A model on "meta" (the usual base of a vmapped ensemble) says nothing about devices.
         device = next((p.device for p in m.parameters() if p.device.type != "meta"), None)
@@ -199,9 +203,6 @@ def _shape_hint(got: tuple, want: tuple) -> str:
     if got[1:] == want:
         return ("it is stacked (one per ensemble member or sample) among entries that are not: stack every "
                 "entry (tef.stack_workspaces) or none")
-    if got == want[1:]:
-        return ("a vmap sliced it along dim 0: one model's entries take in_dims None, stacked ones 0, and "
-                "a workspace dict is stacked as a whole or not at all")
     return "these workspaces belong to another model or recipe"
 
 

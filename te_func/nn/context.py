@@ -17,8 +17,8 @@ from torch._C import _functorch
 
 from ..recipe import DelayedScaling
 
-__all__ = ["Frame", "CallScope", "push", "bind", "push_call_scope", "current_call_scope", "open_call_scopes",
-           "transform_level"]
+__all__ = ["Frame", "CallScope", "push", "bind", "push_call_scope", "open_call_scopes", "transform_level"]
+
 
 class _Stacks(threading.local):
     # Made when a thread first touches them, never later: torch.compile guards on the
@@ -90,11 +90,6 @@ def push(frame: Frame):
 
 def push_call_scope(scope: CallScope):
     return _pushed("call_scopes", scope)
-
-
-def current_call_scope() -> CallScope | None:
-    stack = _stack("call_scopes")
-    return stack[-1] if stack else None
 
 
 def open_call_scopes() -> list[CallScope]:

@@ -111,7 +111,7 @@ def _record_amax(state: DelayedState, amax: torch.Tensor) -> DelayedState:
     return DelayedState(torch.cat([torch.maximum(history[:1], amax.reshape(1)), history[1:]]), state.scale)
 
 
-def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | None, with_transpose: bool):
+def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | None, with_transpose: bool):
     """A tensor-wise cast by te_func.kernels (eager CUDA; bit-identical to the torch code
     below): (q, q of x.T or None, new_state), or None where the kernels do not apply."""
     if (s.rule == "delayed") != (state is not None):
