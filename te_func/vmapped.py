@@ -30,7 +30,7 @@ Quantization scope: which tensor an FP8 scale is computed from.
     the batch's gradient at that GEMM, which is what every sample sees when the
     batch's loss is the sum of the samples' losses (checked in eager mode).
   * DelayedScaling: the scales come from the shared history, so both scopes
-    quantize every sample as the batch: no extra pass.
+    quantize every sample as the batch: no pass over the batch.
   * MXFP8BlockScaling, Float8BlockScaling: a block's scale comes from its own
     elements. Blocks along the features (the forward and input-gradient GEMMs'
     operands) lie within one token: the same in both scopes. Blocks along the
@@ -71,12 +71,15 @@ def per_sample_value_and_grad(fn, in_dims=0, *, scope: str = "sample", chunk_siz
     """Per-sample `tef.value_and_grad` of `fn(params, ws, *args) -> (loss, new_ws)`.
 
     in_dims: for `args` only (params and ws are shared by every sample), as torch.func.vmap
-    takes it: an int or None for all of them, or one entry per argument. scope: "sample" or
-    "batch" (module docstring). chunk_size: as torch.func.vmap's (samples per chunk).
+    takes it: an int for all of them, or one entry per argument (None for one every sample
+    shares). scope: "sample" or "batch" (module docstring). chunk_size: samples per vmap
+    call, as torch.func.vmap's (the same results, less memory).
     Returns a function of `(params, ws, *args)` giving `(losses, grads, new_ws)`: losses
     (batch,), every leaf of grads with a leading batch dim, new_ws in the shapes of ws
-    (fold_workspaces). In batch scope `fn` also runs on the whole batch, whose loss must be
-    the sum of the samples' losses (e.g. `((out - y) ** 2).sum()`).
+    (fold_workspaces). In batch scope `fn` also runs once on the first sample without
+    gradients (which names the models' batch-scope entries) and, under current scaling, on the
+    whole batch, whose loss must then be the sum of the samples' losses (e.g.
+    `((out - y) ** 2).sum()`).
     """
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}: 'sample' quantizes each sample "
