@@ -29,6 +29,11 @@ def data(batch=4, tokens=5):
     return torch.randn(batch, tokens, 32), torch.randn(batch, tokens, 16)
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (torch.equal has no CPU kernel for the 1-byte float types: their bytes)."""
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else torch.equal(a, b)
+
+
 # --- the format's declarations ------------------------------------------------------------------
 
 @pytest.mark.parametrize("recipe", [pytest.param(r, id=rid) for rid, r in RECIPES])
@@ -66,8 +71,7 @@ def test_an_ensemble_of_per_sample_gradients(scope):
         alone, alone_ws = tef.per_sample_grad(sum_loss(m, RECIPE), (0, 0), scope=scope)(
             detached_params(m), tef.init_workspaces(m, RECIPE), x, y)
         assert all(torch.equal(grads[k][i], alone[k]) for k in alone)
-        assert all(torch.equal(v.view(torch.uint8), alone_ws[k].view(torch.uint8)) if v.element_size() == 1
-                   else torch.equal(v, alone_ws[k]) for k, v in tef.unstack_workspaces(new_ws)[i].items())
+        assert all(same(v, alone_ws[k]) for k, v in tef.unstack_workspaces(new_ws)[i].items())
 
 
 def test_batch_scope_shares_the_batchs_scale_where_sample_scope_does_not():
@@ -157,3 +161,37 @@ def test_batch_scope_refuses_a_loss_that_is_not_a_sum_over_samples():
     per_sample = tef.per_sample_grad(sum_loss(model, RECIPE, reduce=torch.mean), (0, 0), scope="batch")
     with pytest.raises(ValueError, match="sum the samples' losses, not a mean over the batch"):
         per_sample(params, ws, x, y)
+
+
+class Mixed(torch.nn.Module):
+    """Plain torch layers around te_func ones, and a te_func layer forward never calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(32, 32)
+        self.block = tef.nn.LayerNormLinear(32, 48)
+        self.idle = tef.nn.Linear(48, 48)
+        self.out = torch.nn.Linear(48, 16)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.block(self.inp(x))))
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
+                         ids=["current", "delayed"])
+def test_batch_scope_on_a_model_with_torch_layers_and_an_idle_layer(recipe):
+    """Every parameter gets per-sample gradients, the plain torch ones too; they add up to the
+    batch gradient; the idle layer's entries come back as they went in."""
+    model = Mixed()
+    params, ws = detached_params(model), tef.init_workspaces(model, recipe)
+    x, y = data()
+    loss_fn = sum_loss(model, recipe)
+    grads, new_ws = tef.per_sample_grad(loss_fn, (0, 0), scope="batch")(params, ws, x, y)
+    batch, batch_ws = tef.grad(loss_fn)(params, ws, x, y)
+    assert grads.keys() == params.keys()
+    for k in params:
+        torch.testing.assert_close(grads[k].sum(0), batch[k], rtol=1e-5, atol=1e-5)
+    assert new_ws.keys() == ws.keys()
+    for k in ws:
+        assert same(new_ws[k], batch_ws[k]), k
+        assert not k.startswith("idle.") or same(new_ws[k], ws[k]), k
