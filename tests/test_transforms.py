@@ -58,11 +58,11 @@ class Setup:
         return ((0,) + (None,) * (len(self.inputs) - 1), 0)
 
 
-def make_setup(case, recipe, dtype=torch.float32, tokens: int = 8) -> Setup:
+def make_setup(case, recipe, dtype=torch.float32, tokens: int = 8, batch: int = BATCH) -> Setup:
     """`tokens` per sample: a multiple of the 8 the cases draw (per-sample cases only)."""
     model = case.make(dtype)
-    first, *rest = case.inputs(BATCH * tokens // 8, dtype)                  # (batch * tokens / 8, 8, features)
-    inputs = (first.reshape(BATCH, tokens, first.shape[-1]), *rest)          # (batch, tokens, features)
+    first, *rest = case.inputs(batch * tokens // 8, dtype)                  # (batch * tokens / 8, 8, features)
+    inputs = (first.reshape(batch, tokens, first.shape[-1]), *rest)          # (batch, tokens, features)
     with torch.no_grad():
         out = case.output(model(*inputs, **case.kwargs))
     return Setup(case, model, recipe, inputs, torch.randn(out.shape), case.kwargs)
@@ -165,7 +165,8 @@ def test_grad_equals_eager_backward(case, recipe):
 
 # --- vmap ---------------------------------------------------------------------------------------
 
-# Per-sample FP8 is not batch FP8: current scaling takes one amax per sample under vmap, so the
+# Per-sample FP8 under a plain vmap is not batch FP8 (tef.per_sample_grad(scope="batch") makes it
+# so, below): current scaling takes one amax per sample under vmap, so the
 # sum of per-sample gradients differs from the batch gradient by quantization noise (measured
 # 21-24 dB apart for current scaling). Both are compared with the float64 batch gradient instead,
 # and the per-sample sum must be about as accurate as the batch FP8 gradient. Measured over 20
@@ -240,10 +241,12 @@ PER_SAMPLE_MATRIX = [p for p in MATRIX if p.values[0].per_sample]
 U = 2.0 ** -24          # fp32's unit roundoff
 
 
-def whole_blocks(recipe) -> int:
-    """Tokens per sample that fill whole blocks along the tokens (32 MXFP8, 128 Float8BlockScaling),
-    so that no block of the batch spans two samples; 8 where the scales are tensor-wise."""
-    return {MXFP8BlockScaling: 32, Float8BlockScaling: 128}.get(type(recipe), 8)
+def whole_blocks(recipe) -> dict:
+    """make_setup's tokens per sample that fill whole blocks along the tokens (32 MXFP8, 128
+    Float8BlockScaling, then 2 samples to keep the test short), so that no block of the batch
+    spans two samples; 8 where the scales are tensor-wise."""
+    return {MXFP8BlockScaling: dict(tokens=32), Float8BlockScaling: dict(tokens=128, batch=2)}.get(
+        type(recipe), dict(tokens=8))
 
 
 def per_token(s: Setup):
@@ -254,18 +257,17 @@ def per_token(s: Setup):
 
 @pytest.mark.parametrize("case, recipe", PER_SAMPLE_MATRIX)
 def test_per_sample_grad_is_vmap_of_grad_with_workspaces_folded(case, recipe):
-    """scope="sample" computes what torch.func.vmap(tef.grad) computes, bit for bit, chunked or
-    not; its workspaces come back once, in their own shapes: the vmap's, folded."""
+    """scope="sample" computes what torch.func.vmap(tef.grad) computes, bit for bit, also in
+    chunks (of 3 samples, the last one short); its workspaces come back once, in their own
+    shapes: the vmap's, folded."""
     s = make_setup(case, recipe)
     params, ws = detached_params(s.model), tef.init_workspaces(s.model, recipe)
     raw, raw_ws = torch.func.vmap(tef.grad(s.loss_fn), in_dims=(None, None, *s.in_dims))(
         params, ws, s.inputs, s.target)
-    for chunk_size in (None, 3):
-        grads, new_ws = tef.per_sample_grad(s.loss_fn, s.in_dims, chunk_size=chunk_size)(
-            params, ws, s.inputs, s.target)
-        assert_dicts_equal(grads, raw)
-        assert_dicts_equal(new_ws, tef.fold_workspaces(s.model, raw_ws, recipe))
-        assert all(new_ws[k].shape == ws[k].shape for k in ws)
+    grads, new_ws = tef.per_sample_grad(s.loss_fn, s.in_dims, chunk_size=3)(params, ws, s.inputs, s.target)
+    assert_dicts_equal(grads, raw)
+    assert_dicts_equal(new_ws, tef.fold_workspaces(s.model, raw_ws, recipe))
+    assert all(new_ws[k].shape == ws[k].shape for k in ws)
 
 
 @pytest.mark.parametrize("case, recipe", PER_SAMPLE_MATRIX)
@@ -278,7 +280,7 @@ def test_batch_scope_per_sample_grads_add_up_to_the_batch_gradient(case, recipe)
     are taken from the high-precision model (every token a sample) and doubled, which covers the
     FP8 operands' distance from it (measured: the error stays below a tenth of the undoubled
     bound over every layer and recipe)."""
-    s = make_setup(case, recipe, tokens=whole_blocks(recipe))
+    s = make_setup(case, recipe, **whole_blocks(recipe))
     params, ws = detached_params(s.model), tef.init_workspaces(s.model, recipe)
     batch, batch_ws = tef.grad(s.loss_fn)(params, ws, s.inputs, s.target)
     per_sample = tef.per_sample_grad(s.loss_fn, s.in_dims, scope="batch")
@@ -289,7 +291,7 @@ def test_batch_scope_per_sample_grads_add_up_to_the_batch_gradient(case, recipe)
     n = s.inputs[0].shape[0] * s.inputs[0].shape[1]
     bounds = {k: 2 * n * U * 2 * terms[k].double().abs().sum(0) for k in params}
     for k in params:
-        assert grads[k].shape == (BATCH, *params[k].shape)
+        assert grads[k].shape == (s.inputs[0].shape[0], *params[k].shape)
         err = (grads[k].sum(0).double() - batch[k].double()).abs()
         assert (err <= bounds[k]).all(), (k, (err / bounds[k]).max())
     if tef.frame.batch_scope_spec(s.model, recipe):
@@ -300,20 +302,17 @@ def test_batch_scope_per_sample_grads_add_up_to_the_batch_gradient(case, recipe)
 
 
 @pytest.mark.parametrize("recipe", [pytest.param(r, id=rid) for rid, r in RECIPES])
-@pytest.mark.parametrize("scope", ["sample", "batch"])
-def test_per_sample_grad_compiles_chunked(scope, recipe):
-    """torch.compile(fullgraph=True) of tef.per_sample_grad in chunks of 2 samples, on Linear
-    (LayerNormMLP compiles under vmap in examples/dp_sgd.py's test): one graph for two calls,
-    results equal to eager's, chunked or not, bit for bit. Where the scopes coincide (every
-    recipe but current scaling's) the sample scope is the batch scope's per-sample pass and is
-    not compiled again; the scopes' quantize paths differ only in tensor-wise current scaling,
-    whose backward_override variant is left to the eager columns."""
-    if scope == "sample" and (recipe is None or not tef.frame.batch_scope_spec(LAYERS[0].make(torch.float32), recipe)
-                              or recipe.backward_override is not None):
-        pytest.skip("the batch-scope case compiles the same per-sample pass")
+def test_per_sample_grad_compiles_chunked(recipe):
+    """torch.compile(fullgraph=True) of tef.per_sample_grad in chunks of 2 samples, on Linear: one
+    graph for two calls, results equal to eager's, chunked or not, bit for bit. In batch scope
+    where the scopes differ (current scaling: a pass over the whole batch, then the per-sample
+    pass with its amaxes), else in sample scope, whose per-sample pass the batch scope runs
+    there; the sample scope under current scaling compiles in examples/dp_sgd.py's test
+    (LayerNormMLP and Linear)."""
     torch._dynamo.reset()
     s = make_setup(LAYERS[0], recipe)
     params, ws = detached_params(s.model), tef.init_workspaces(s.model, recipe)
+    scope = "batch" if tef.frame.batch_scope_spec(s.model, recipe) else "sample"
     per_sample = tef.per_sample_grad(s.loss_fn, s.in_dims, scope=scope, chunk_size=2)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(per_sample, fullgraph=True, backend=counter)
