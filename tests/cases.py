@@ -5,7 +5,9 @@ the checkpoint tests by adding one row here.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -84,3 +86,12 @@ def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
 def detached_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What tef.functional_call / tef.grad take as `params`."""
     return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def load_example(name: str):
+    """examples/{name}.py as a module (the examples are scripts, not a package)."""
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

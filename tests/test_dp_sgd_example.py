@@ -1,19 +1,12 @@
 """examples/dp_sgd.py: DP-SGD in FP8 trains compiled, and clips every sample's gradient right."""
-import importlib.util
-from pathlib import Path
-
 import torch
 
 import te_func as tef
-
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "dp_sgd.py"
+from cases import load_example
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("dp_sgd", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("dp_sgd")
 
 
 def test_dp_sgd_trains_compiled_in_fp8():

@@ -3,6 +3,8 @@ what the workspace format declares for them, nested ensembles of per-sample grad
 the clear errors for each misuse they can see."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -195,3 +197,25 @@ def test_batch_scope_on_a_model_with_torch_layers_and_an_idle_layer(recipe):
     for k in ws:
         assert same(new_ws[k], batch_ws[k]), k
         assert not k.startswith("idle.") or same(new_ws[k], ws[k]), k
+
+
+def test_two_threads_take_per_sample_gradients_of_one_model_at_once():
+    """The call scopes that collect what the calls read live on each thread's own stack."""
+    model = make_model()
+    params, ws = detached_params(model), tef.init_workspaces(model, RECIPE)
+    inputs = [data(), data()]
+    per_sample = tef.per_sample_grad(sum_loss(model, RECIPE), (0, 0), scope="batch")
+    want = [per_sample(params, ws, *xy) for xy in inputs]
+    got = [None, None]
+
+    def run(i):
+        got[i] = per_sample(params, ws, *inputs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (g, w), (g_want, w_want) in zip(got, want):
+        assert all(torch.equal(g[k], g_want[k]) for k in g_want)
+        assert all(same(w[k], w_want[k]) for k in w_want)
