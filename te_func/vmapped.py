@@ -38,7 +38,8 @@ Quantization scope: which tensor an FP8 scale is computed from.
     or gradient blocks) lie within one sample when its token count is a multiple
     of the block (32, 128), and then the scopes agree exactly. Otherwise a block
     of the batch holds two samples' tokens; te_func forms every block within one
-    sample in both scopes (TE's MXFP8 refuses such token counts altogether).
+    sample in both scopes (TE's MXFP8 quantizer takes only token counts that are
+    multiples of 32: it would not quantize such a sample at all).
 A batch-scope sample's gradient depends on the other samples through the shared
 scales: for differential privacy, whose bound assumes it does not, use "sample".
 """
