@@ -162,7 +162,7 @@ def _made_for_problem(ws: dict, recipe) -> tuple[type, str] | None:
 
 def _entry_problems(model, ws, recipe, owners: dict):
     """Yields (exception class, message) for each entry of `ws` that does not fit `model`
-    under `recipe`; fills `owners` with {id(module): (path, entry names)}."""
+    under `recipe`; fills `owners` with {id(module): (path, entry names, those updated in backward)}."""
     expected = {RECIPE_KEY}
     layers = _layer_specs(model, recipe, batch_scope=True)
     # Batch scope (te_func.vmapped) adds every batch-scope entry of the model, or none.
@@ -171,7 +171,7 @@ def _entry_problems(model, ws, recipe, owners: dict):
     for path, m, spec in layers:
         if not batch_scope:
             spec = {k: e for k, e in spec.items() if e.kind != "batch_amax"}
-        owners[id(m)] = (path, tuple(spec))
+        owners[id(m)] = (path, tuple(spec), tuple(k for k, e in spec.items() if e.backward))
         # A model on "meta" (the usual base of a vmapped ensemble) says nothing about devices.
         device = next((p.device for p in m.parameters() if p.device.type != "meta"), None)
         for name, e in spec.items():
@@ -211,7 +211,7 @@ def validate_workspaces(model, ws, recipe):
     shape, dtype and device, no other, and was made for `recipe`; raise an error naming
     what does not fit (the recipe first, then the first entry).
 
-    Returns {id(module): (its path, its entry names)} for the frame.
+    Returns {id(module): (its path, its entry names, those updated in backward)} for the frame.
     """
     if not isinstance(ws, dict):
         raise TypeError(f"workspaces must be the dict from tef.init_workspaces(model, recipe), got {type(ws).__name__}")
@@ -249,7 +249,7 @@ def _model_lock(model: nn.Module):
 
 
 def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *, recipe,
-                    is_first_microbatch: bool | None = None):
+                    is_first_microbatch: bool | None = None, _watch=None):
     """Run `model` with `params` (as torch.func.functional_call takes them) and
     workspaces `ws`. Returns `(out, new_ws)`; nothing passed in is mutated.
 
@@ -258,6 +258,9 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
     quantizes and stores. A layer called again within the call runs as False.
     A layer's own `is_first_microbatch=` argument, when given, wins.
     """
+    if recipe is not None and not _te_modules(model):
+        raise ValueError(f"tef.functional_call: the model ({type(model).__name__}) has no te_func layers, so "
+                         f"recipe={type(recipe).__name__} would change nothing; convert it first: tef.convert(model)")
     owners = validate_workspaces(model, ws, recipe)
     scopes = open_call_scopes()
     if scopes:   # what tef.grad merges and te_func.vmapped folds
@@ -267,7 +270,8 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
             scope.spec.update(spec)
             scope.batch_spec.update(batch_spec)
     args = args if isinstance(args, tuple) else (args,)
-    frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"))
+    frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"),
+                  update_state=torch.is_grad_enabled(), watch=_watch)
     with _model_lock(model), push(frame):
         out = torch.func.functional_call(model, params, args, kwargs or {})
     return out, {**ws, **frame.updates}

@@ -14,9 +14,11 @@ Tensors of a slot with prefix p (None where the recipe keeps no such state):
                                          amax history and scale, or in batch scope the batch's
                                          amax (te_func.quant.BatchAmax; no scale)
              p+g_record, p+g_scale       ... and the output gradient's
-             p+g_sink                    the grad record's workspace entry: its "gradient" carries
-                                         the backward amax (see `backward_amax`)
+             p+g_sink                    the tensor whose "gradient" carries the backward amax
+                                         (see `backward_amax`): the grad record's workspace entry
     outputs  p+new_x_record              the input record with this call's amax recorded
+             p+new_g_record              the grad record as this call leaves it: carried state,
+                                         whose backward-time value is g_sink's gradient
              p+x_saved, p+x_saved_scale_inv   what the weight-gradient GEMM reads of the input:
                                          the cast of x.T (blocks along tokens); with the recipe's
                                          backward_override, the cast of x ("dequantized") or x
@@ -105,16 +107,12 @@ def _state(s: Scheme, record, scale) -> DelayedState | BatchAmax | None:
 
 
 def backward_amax(new_g: DelayedState | BatchAmax | None) -> torch.Tensor | None:
-    """The grad record's "gradient". For a history: zeros, but for slot 0, which holds the amax
-    this backward recorded; merged by max into whatever the history is when backward runs, it
-    lands in the current step's slot, as in TE, also when another step's forward ran in between.
-    For a batch amax: the amax itself, merged by max likewise."""
-    if new_g is None:
-        return None
-    if isinstance(new_g, BatchAmax):
-        return new_g.amax
-    history = new_g.amax_history
-    return torch.cat([history[:1], torch.zeros_like(history[1:])])
+    """The grad record's "gradient". For a history: zeros but for slot 0, the amax of this
+    backward's output gradient (`backward_gemm` records it into a zero history). Merged by max
+    into whatever the history is when backward runs, it lands in the current step's slot, as in
+    TE, also when another step's forward ran in between or this backward is a checkpoint's
+    recompute. For a batch amax: the amax this backward quantized with, merged by max likewise."""
+    return None if new_g is None else new_g.record
 
 
 @dataclass(frozen=True)
@@ -130,7 +128,11 @@ class GemmSlot:
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return tuple(map(self._n, ("new_x_record", "x_saved", "x_saved_scale_inv")))
+        return tuple(map(self._n, ("new_x_record", "new_g_record", "x_saved", "x_saved_scale_inv")))
+
+    @property
+    def carried(self) -> dict[str, str]:
+        return {self._n("new_g_record"): self._n("g_sink")}
 
     @property
     def saved(self) -> tuple[str, ...]:
@@ -152,9 +154,12 @@ class GemmSlot:
             ("x_record", record(x_state)), ("x_scale", scale(x_state)),
             ("g_sink", g_sink), ("g_record", record(g_state)), ("g_scale", scale(g_state)))}
 
-    def new_input_state(self, outputs: dict, x_state):
-        """The input role's state after the call: `x_state` with this call's amax recorded."""
-        return None if x_state is None else x_state.with_record(outputs[self._n("new_x_record")])
+    def new_states(self, outputs: dict, x_state, g_state):
+        """The input and grad roles' states after the call: `x_state` with this call's amax
+        recorded, `g_state` as the op returned it (carried state, see above)."""
+        def after(state, name):
+            return None if state is None else state.with_record(outputs[self._n(name)])
+        return after(x_state, "new_x_record"), after(g_state, "new_g_record")
 
     def forward(self, t: dict, x: torch.Tensor, bias: torch.Tensor | None):
         """x (tokens, in) -> (out (tokens, out) in x's dtype, this slot's outputs by name)."""
@@ -167,7 +172,10 @@ class GemmSlot:
                                       "dequantized": (xq.data, xq.scale_inv),
                                       # a view: a Function may not save an input it returns as is
                                       "high_precision": (x.view_as(x), None)}[cfg.backward_override]
+        g_record = t[n("g_record")]
         return out, {n("new_x_record"): None if new_x is None else new_x.record,
+                     # a copy: a Function may not return an input as it is
+                     n("new_g_record"): None if g_record is None else g_record.clone(),
                      n("x_saved"): saved, n("x_saved_scale_inv"): saved_scale_inv}
 
     def backward(self, s: dict, grad_out: torch.Tensor, need_dx: bool, dx_dtype: torch.dtype | None, ctx):
@@ -182,8 +190,11 @@ class GemmSlot:
             return dx, dw, {}
         w_t = Quantized(s[n("w_t")], s[n("w_t_scale_inv")], cfg.weight.block) if need_dx else None
         xq_t = Quantized(s[n("x_saved")], s[n("x_saved_scale_inv")], cfg.input.block) if need_dw else None
-        dx, dw, new_g = backward_gemm(grad_out, w_t, xq_t, cfg, dx_dtype, ctx.dtype.get(weight),
-                                      _state(cfg.grad, s[n("g_record")], s[n("g_scale")]))
+        g_state = _state(cfg.grad, s[n("g_record")], s[n("g_scale")])
+        if isinstance(g_state, DelayedState):
+            # The amax goes into a zero history: only this backward's amax comes back (see backward_amax).
+            g_state = DelayedState(torch.zeros_like(g_state.amax_history), g_state.scale)
+        dx, dw, new_g = backward_gemm(grad_out, w_t, xq_t, cfg, dx_dtype, ctx.dtype.get(weight), g_state)
         sink = n("g_sink")
         return dx, dw, {sink: backward_amax(new_g) if ctx.need.get(sink) else None}
 
