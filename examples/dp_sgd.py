@@ -8,8 +8,8 @@ is computed on its own (tef.per_sample_grad, FP8 forward and backward), clipped 
 L2 norm at most `clip` over all parameters, the clipped gradients are summed, Gaussian
 noise of std `noise_multiplier * clip` is added, and the sum is divided by the batch
 size. The whole step, workspaces included, is one function compiled with
-fullgraph=True. The model is a small sequence classifier built from te_func layers;
-the data are noisy copies of one random sequence per class.
+fullgraph=True. The model is a small sequence classifier of torch layers converted by
+tef.convert; the data are noisy copies of one random sequence per class.
 
 The default quantization scope is "sample": each sample's FP8 scales come from that
 sample alone, so its clipped gradient depends on nothing else, which the privacy
@@ -34,18 +34,26 @@ RECIPES = {"current": Float8CurrentScaling(), "delayed": DelayedScaling(amax_his
 
 
 class Classifier(nn.Module):
-    """(..., tokens, features) -> (..., classes): a token MLP, mean over tokens, a linear head."""
+    """(..., tokens, features) -> (..., classes): a token MLP, mean over tokens, a linear head.
+    Plain torch layers: `make_model` converts them to te_func's."""
 
     def __init__(self, features: int = 64, hidden: int = 128, classes: int = 4):
         super().__init__()
-        self.embed = tef.nn.Linear(features, features)
-        self.mlp = tef.nn.LayerNormMLP(features, hidden)
-        self.head = tef.nn.Linear(features, classes)
+        self.embed = nn.Linear(features, features)
+        self.mlp = nn.Sequential(nn.LayerNorm(features), nn.Linear(features, hidden), nn.GELU(approximate="tanh"),
+                                 nn.Linear(hidden, features))
+        self.head = nn.Linear(features, classes)
 
     def forward(self, x):
         h = F.gelu(self.embed(x))                         # (..., tokens, features)
         h = h + self.mlp(h)
         return self.head(h.mean(-2))                      # (..., classes)
+
+
+def make_model() -> nn.Module:
+    """The Classifier converted by tef.convert: its Linear and LayerNorm layers become te_func's;
+    the head (4 outputs, not a multiple of 16, so no FP8 GEMM) stays a torch Linear."""
+    return tef.convert(Classifier())
 
 
 def make_data(classes: int = 4, samples: int = 256, tokens: int = 16, features: int = 64, seed: int = 0):
@@ -97,7 +105,7 @@ def train(recipe, steps: int, *, batch: int = 32, clip: float = 1.0, noise_multi
     """DP-SGD for `steps` steps on minibatches drawn from make_data. Returns (the stats of every
     step (make_step), (the loss over all the data before training, after))."""
     torch.manual_seed(seed)
-    model = Classifier()
+    model = make_model()
     x, labels = make_data(seed=seed)
     params = {k: v.detach() for k, v in model.named_parameters()}
     ws = tef.init_workspaces(model, recipe)

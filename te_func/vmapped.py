@@ -1,6 +1,6 @@
 """Per-sample gradients and ensembles: torch.func.vmap over te_func models, workspaces included.
 
-    per_sample_grad(fn, in_dims=0, *, scope="sample", chunk_size=None, argnums=0)
+    per_sample_grad(fn, in_dims=0, *, scope="sample", chunk_size=None, argnums=0, keepdim=False)
     per_sample_value_and_grad(...)                       the same, with the per-sample losses
     fold_workspaces(model, ws, recipe)                   per-sample workspaces -> the batch's
     stack_workspaces(list) / unstack_workspaces(ws)      one workspace dict per ensemble member
@@ -68,13 +68,16 @@ _ADDITIVE_SLACK = 2.0 ** -10
 # --- per-sample gradients -------------------------------------------------------------------------
 
 def per_sample_value_and_grad(fn, in_dims=0, *, scope: str = "sample", chunk_size: int | None = None,
-                              argnums=0):
+                              argnums=0, keepdim: bool = False):
     """Per-sample `tef.value_and_grad` of `fn(params, ws, *args) -> (loss, new_ws)`.
 
     in_dims: for `args` only (params and ws are shared by every sample), as torch.func.vmap
     takes it: an int for all of them, or one entry per argument (None for one every sample
     shares). scope: "sample" or "batch" (module docstring). chunk_size: samples per vmap
-    call, as torch.func.vmap's (the same results, less memory).
+    call, as torch.func.vmap's (the same results, less memory). keepdim: pass each sample to
+    `fn` as a batch of one (its dim kept, of size 1) rather than without that dim, for models
+    whose forward needs a batch dim (a HuggingFace model: ids (1, seq) per sample); `fn` then
+    takes the batch and a sample alike.
     Returns a function of `(params, ws, *args)` giving `(losses, grads, new_ws)`: losses
     (batch,), every leaf of grads with a leading batch dim, new_ws in the shapes of ws
     (fold_workspaces). In batch scope `fn` also runs once on the first sample without
@@ -90,10 +93,12 @@ def per_sample_value_and_grad(fn, in_dims=0, *, scope: str = "sample", chunk_siz
     def wrapped(params, ws, *args):
         dims = _arg_dims(in_dims, args)
         _check_one_set(ws)
-        batch = _batch_amaxes(step, fn, params, ws, args, dims) if scope == "batch" else {}
+        batch = _batch_amaxes(step, fn, params, ws, args, dims, keepdim) if scope == "batch" else {}
         call, keys = CallScope(), []
 
         def one_sample(params, ws, *args):
+            if keepdim:
+                args = _unsqueezed(args, dims)
             loss, grads, new_ws = step(params, ws, *args)
             keys[:] = new_ws
             unknown = [k for k in new_ws if k not in call.spec]
@@ -125,9 +130,11 @@ def per_sample_value_and_grad(fn, in_dims=0, *, scope: str = "sample", chunk_siz
     return wrapped
 
 
-def per_sample_grad(fn, in_dims=0, *, scope: str = "sample", chunk_size: int | None = None, argnums=0):
+def per_sample_grad(fn, in_dims=0, *, scope: str = "sample", chunk_size: int | None = None, argnums=0,
+                    keepdim: bool = False):
     """Like `per_sample_value_and_grad`, returning `(grads, new_ws)`."""
-    inner = per_sample_value_and_grad(fn, in_dims, scope=scope, chunk_size=chunk_size, argnums=argnums)
+    inner = per_sample_value_and_grad(fn, in_dims, scope=scope, chunk_size=chunk_size, argnums=argnums,
+                                      keepdim=keepdim)
 
     def wrapped(params, ws, *args):
         _, grads, new_ws = inner(params, ws, *args)
@@ -178,10 +185,17 @@ def _leaves_with_dims(args: tuple, dims: tuple):
     return flat, flat_dims, spec
 
 
-def _first_sample(args: tuple, dims: tuple) -> tuple:
-    """`args` with every batched tensor at its first sample, as vmap's function sees them."""
+def _first_sample(args: tuple, dims: tuple, keepdim: bool) -> tuple:
+    """`args` with every batched tensor at its first sample, as `fn` sees a sample."""
     flat, flat_dims, spec = _leaves_with_dims(args, dims)
-    return pytree.tree_unflatten([a if d is None else a.select(d, 0) for a, d in zip(flat, flat_dims)], spec)
+    first = [a if d is None else a.narrow(d, 0, 1) if keepdim else a.select(d, 0) for a, d in zip(flat, flat_dims)]
+    return pytree.tree_unflatten(first, spec)
+
+
+def _unsqueezed(args: tuple, dims: tuple) -> tuple:
+    """A sample's `args` (vmap took the batched dims away) with those dims back, of size 1."""
+    flat, flat_dims, spec = _leaves_with_dims(args, dims)
+    return pytree.tree_unflatten([a if d is None else a.unsqueeze(d) for a, d in zip(flat, flat_dims)], spec)
 
 
 def _chunks(args: tuple, dims: tuple, chunk_size: int | None) -> list[tuple]:
@@ -204,7 +218,7 @@ def _cat(chunks: list):
     return pytree.tree_unflatten([torch.cat(ts) for ts in zip(*flat)], pytree.tree_structure(chunks[0]))
 
 
-def _batch_amaxes(step, fn, params, ws, args, dims) -> dict:
+def _batch_amaxes(step, fn, params, ws, args, dims, keepdim: bool) -> dict:
     """The batch-scope entries (te_func.quant.workspace) filled with the whole batch's amaxes.
 
     Which entries the models inside `fn` have is known only to its functional_calls: one
@@ -214,7 +228,7 @@ def _batch_amaxes(step, fn, params, ws, args, dims) -> dict:
     """
     names = CallScope()
     with push_call_scope(names), torch.no_grad():
-        fn(params, ws, *_first_sample(args, dims))
+        fn(params, ws, *_first_sample(args, dims, keepdim))
     spec = names.batch_spec
     if not spec:
         return {}

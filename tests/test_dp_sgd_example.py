@@ -24,7 +24,7 @@ def test_dp_sgd_clips_each_sample_to_the_clip_norm():
     after clipping it is at most the clip norm, and unchanged where it was below."""
     dp = _load()
     recipe = dp.RECIPES["current"]
-    model = dp.Classifier()
+    model = dp.make_model()
     x, labels = dp.make_data(samples=8)
     params, ws = {k: v.detach() for k, v in model.named_parameters()}, tef.init_workspaces(model, recipe)
     probe = dp.make_step(model, recipe, clip=1e9, noise_multiplier=0.0, lr=0.0)
