@@ -42,12 +42,15 @@ class Workload:
     """`kind`: "mlp" / "linear" (forward+backward), "train8_cache" / "train8_nocache"
     (8 microbatches of forward+backward, weight casts cached or not), "infer" (no_grad forward),
     "cast" (te_func only: both FP8 layouts of the MLP's two weights, as one step without cache does),
+    "per_sample" / "per_sample_batch" (every sample's gradients of the MLP block, torch.func.vmap
+    over `samples` samples of tokens / samples tokens each; te_func in sample / batch scope),
     "llama" (the HF Llama: forward+backward+AdamW step); `compiled` False runs it eagerly.
     shape: (tokens, hidden, ffn) or (tokens, in, out)."""
     name: str
     kind: str
     shape: tuple[int, int, int]
     compiled: bool = True
+    samples: int = 1
 
     @property
     def gemm_flops(self) -> float:
@@ -63,6 +66,7 @@ class Workload:
             return 0.0
         if self.kind == "infer":
             return fwd
+        # Per-sample gradients do the batch's GEMM FLOPs: the weight gradients come per sample.
         return 3 * fwd * (8 if self.kind.startswith("train8") else 1)
 
 
@@ -77,6 +81,10 @@ def workloads(quick: bool) -> list[Workload]:
     w += [Workload(f"infer_{'x'.join(map(str, s))}", "infer", s) for s in big]
     w.append(Workload(f"weight_cast_{'x'.join(map(str, big[0]))}", "cast", big[0]))
     w += [Workload(f"eager_mlp_{'x'.join(map(str, s))}", "mlp", s, compiled=False) for s in big]
+    samples, tokens, hidden, ffn = (2, 8, 32, 64) if quick else (32, 512, 1024, 4096)
+    for kind in ("per_sample", "per_sample_batch"):
+        w.append(Workload(f"{kind}_{samples}x{tokens}x{hidden}x{ffn}", kind, (samples * tokens, hidden, ffn),
+                          samples=samples))
     cfg, (b, seq) = (LLAMA_QUICK, (2, 16)) if quick else (LLAMA, LLAMA_BATCH)
     w.append(Workload("llama_4l_4096x14336_8192tok" if not quick else "llama_quick", "llama",
                       (b * seq, cfg["hidden_size"], cfg["intermediate_size"])))
@@ -155,6 +163,10 @@ def build(variant: str, w: Workload, inputs: Inputs, compile_ok: bool) -> Step:
         w = Workload(w.name, w.kind, w.shape, compiled=False)
     if w.kind == "cast" and (variant not in TE_RECIPES or TE_RECIPES[variant] is None):
         raise NotApplicable("only te_func FP8 recipes cache a weight cast")
+    if w.kind.startswith("per_sample"):
+        if variant in STATEFUL:
+            raise NotApplicable("the Stateful variants are measured on training workloads")
+        return _per_sample_step(variant, w, inputs)
     if w.kind == "llama":
         return _llama_step(variant, w, inputs)
     if variant in STATEFUL:
@@ -208,6 +220,40 @@ def _torch_step(model: nn.Module, w: Workload, inputs: Inputs, note: str) -> Ste
         reset()
         loss_of(x, dy).backward()
     return Step(fwd_bwd, _nbytes(list(model.parameters()), x, dy), note, reset)
+
+
+def _per_sample_step(variant: str, w: Workload, inputs: Inputs) -> Step:
+    """Every sample's gradients of every parameter, loss = sum(out * dy) per sample: te_func's
+    tef.per_sample_grad (scope "sample" or, for per_sample_batch, "batch"), the torch and
+    torchao blocks' torch.func.vmap(torch.func.grad(...)); the whole of it compiled."""
+    t, h, f = w.shape
+    x, dy = inputs.get(t // w.samples, h, h, w.samples)          # (samples, tokens, hidden) each
+    if variant in TE_RECIPES:
+        recipe = TE_RECIPES[variant]
+        model, note = _te_block(w, inputs.device)
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        ws = tef.init_workspaces(model, recipe)
+
+        def loss_fn(params, ws, x, dy):
+            out, new_ws = tef.functional_call(model, params, ws, (x,), recipe=recipe)
+            return (out * dy).float().sum(), new_ws
+        scope = "batch" if w.kind == "per_sample_batch" else "sample"
+        step = _compile(tef.per_sample_grad(loss_fn, (0, 0), scope=scope), w)
+        return Step(lambda: step(params, ws, x, dy), _nbytes(params, ws, x, dy), f"{note}; scope {scope}".lstrip("; "))
+    model = _torch_block(w, inputs.device)
+    note = ""
+    if variant in AO_RECIPES:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(AO_RECIPES[variant]))
+        note = "torchao " + AO_RECIPES[variant]
+    elif variant != BASELINE:
+        raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(params, x, dy):
+        return (torch.func.functional_call(model, params, (x,)) * dy).float().sum()
+    step = _compile(torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0)), w)
+    return Step(lambda: step(params, x, dy), _nbytes(params, x, dy), note)
 
 
 def _te_step(recipe, w: Workload, inputs: Inputs) -> Step:

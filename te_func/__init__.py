@@ -7,6 +7,7 @@ through training steps for code that wants a plain nn.Module.
 The package's layers, each importing only those below it:
 
     shell.py     Stateful: the only place anything is mutated
+    vmapped.py   per-sample gradients and ensembles: vmap with workspaces folded, stacked, unstacked
     convert.py   convert: a torch model's layers swapped for te_func's, every tensor kept
     frame.py     functional_call, init_workspaces, autocast, grad: workspace entries by module path
     nn/          modules: parameter holders with TE's names; forward calls one functional op
@@ -29,7 +30,11 @@ from .frame import (autocast, functional_call, grad, init_workspaces, upgrade_wo
                     value_and_grad, workspace_spec)
 from .functional._common import set_check_finite
 from .shell import Stateful
+from .vmapped import (fold_workspaces, per_sample_grad, per_sample_value_and_grad, stack_module_state,
+                      stack_workspaces, unstack_module_state, unstack_workspaces)
 
 __all__ = ["functional", "nn", "quant", "recipe", "convert", "fp8_pays", "autocast", "functional_call", "grad",
            "init_workspaces", "value_and_grad", "workspace_spec", "validate_workspaces",
-           "upgrade_workspaces", "Stateful", "set_check_finite"]
+           "upgrade_workspaces", "Stateful", "set_check_finite", "per_sample_grad",
+           "per_sample_value_and_grad", "fold_workspaces", "stack_workspaces", "unstack_workspaces",
+           "stack_module_state", "unstack_module_state"]

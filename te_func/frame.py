@@ -15,12 +15,12 @@ from torch import nn
 
 from .functional._common import first_microbatch
 from .nn import TEModule
-from .nn.context import Frame, GradScope, current_grad_scope, push, push_grad_scope
+from .nn.context import CallScope, Frame, open_call_scopes, push, push_call_scope
 from .quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, Entry, fingerprint_entry
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, fingerprint
 
 __all__ = ["init_workspaces", "functional_call", "autocast", "grad", "value_and_grad", "workspace_spec",
-           "validate_workspaces", "backward_keys", "upgrade_workspaces"]
+           "batch_scope_spec", "validate_workspaces", "backward_keys", "upgrade_workspaces"]
 
 _RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling)
 
@@ -41,17 +41,26 @@ def _prefix(path: str) -> str:
     return f"{path}." if path else ""
 
 
-def _layer_specs(model: nn.Module, recipe):
-    """(path, module, {op-local name: Entry}) of every te_func layer of `model`."""
-    return [(path, m, m.workspace_spec(recipe)) for path, m in _te_modules(model)]
+def _layer_specs(model: nn.Module, recipe, batch_scope: bool = False):
+    """(path, module, {op-local name: Entry}) of every te_func layer of `model`; with
+    batch_scope, each layer's batch-scope entries too."""
+    return [(path, m, {**m.workspace_spec(recipe), **(m.batch_scope_spec(recipe) if batch_scope else {})})
+            for path, m in _te_modules(model)]
 
 
 def workspace_spec(model: nn.Module, recipe) -> dict[str, Entry]:
-    """Every workspace entry `model` needs under `recipe`: key -> Entry(shape, dtype, backward)."""
+    """Every workspace entry `model` needs under `recipe`: key -> Entry(shape, dtype, kind, backward)."""
     _check_recipe(recipe)
     spec = {_prefix(path) + k: e for path, _, s in _layer_specs(model, recipe) for k, e in s.items()}
     spec[RECIPE_KEY] = RECIPE_ENTRY
     return spec
+
+
+def batch_scope_spec(model: nn.Module, recipe) -> dict[str, Entry]:
+    """The entries a call in batch scope adds to `model`'s workspaces under `recipe` (the batch's
+    amaxes, te_func.quant.workspace); empty where the recipe has no tensor-wise current scale."""
+    _check_recipe(recipe)
+    return {_prefix(path) + k: e for path, m in _te_modules(model) for k, e in m.batch_scope_spec(recipe).items()}
 
 
 def backward_keys(model: nn.Module, recipe) -> list[str]:
@@ -108,6 +117,19 @@ def _recipe_made_for(t: torch.Tensor) -> tuple[int, int] | None:
     return value
 
 
+def _layout_problem(ws: dict) -> str | None:
+    """What is wrong with how `ws` is batched, read from its RECIPE_KEY entry, or None."""
+    t = ws.get(RECIPE_KEY)
+    if not isinstance(t, torch.Tensor):
+        return None
+    if t.dim() == 2 and tuple(t.shape[1:]) == RECIPE_ENTRY.shape:
+        return (f"these workspaces are stacked ({t.shape[0]} sets along dim 0, as tef.stack_module_state "
+                f"makes for an ensemble): call tef.functional_call on them under torch.func.vmap with in_dims "
+                f"0 over the workspaces, take the sets apart with tef.unstack_workspaces, or, for per-sample "
+                f"workspaces, fold them with tef.fold_workspaces")
+    return None
+
+
 def _made_for_problem(ws: dict, recipe) -> tuple[type, str] | None:
     """What is wrong with the RECIPE_KEY entry of `ws` for `recipe`, or None."""
     t = ws.get(RECIPE_KEY)
@@ -140,23 +162,32 @@ def _made_for_problem(ws: dict, recipe) -> tuple[type, str] | None:
 
 def _entry_problems(model, ws, recipe, owners: dict):
     """Yields (exception class, message) for each entry of `ws` that does not fit `model`
-    under `recipe`; fills `owners` with {id(module): (path, entry names)}."""
+    under `recipe`; fills `owners` with {id(module): (path, entry names, those updated in backward)}."""
     expected = {RECIPE_KEY}
-    for path, m, spec in _layer_specs(model, recipe):
+    layers = _layer_specs(model, recipe, batch_scope=True)
+    # Batch scope (te_func.vmapped) adds every batch-scope entry of the model, or none.
+    batch_scope = any(_prefix(path) + k in ws for path, _, spec in layers for k, e in spec.items()
+                      if e.kind == "batch_amax")
+    for path, m, spec in layers:
+        if not batch_scope:
+            spec = {k: e for k, e in spec.items() if e.kind != "batch_amax"}
         owners[id(m)] = (path, tuple(spec), tuple(k for k, e in spec.items() if e.backward))
         # A model on "meta" (the usual base of a vmapped ensemble) says nothing about devices.
         device = next((p.device for p in m.parameters() if p.device.type != "meta"), None)
-        for name, (shape, dtype, _) in spec.items():
+        for name, e in spec.items():
             entry = _prefix(path) + name
             expected.add(entry)
             t = ws.get(entry)
-            if t is None:
+            if t is None and e.kind == "batch_amax":
+                yield KeyError, (f"workspace entry {entry!r} is missing: batch-scope entries come all together "
+                                 f"(tef.per_sample_grad(..., scope='batch') adds them for one call)")
+            elif t is None:
                 yield KeyError, (f"workspace entry {entry!r} is missing: these workspaces were not made for "
                                  f"this model (tef.init_workspaces(model, recipe) makes the right ones)")
-            elif tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            elif tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
                 yield ValueError, (f"workspace entry {entry!r} has shape {tuple(t.shape)} and dtype {t.dtype}, "
-                                   f"but {type(m).__name__} at {path or '(root)'!r} needs {tuple(shape)} "
-                                   f"{dtype}: these workspaces belong to another model or recipe")
+                                   f"but {type(m).__name__} at {path or '(root)'!r} needs {tuple(e.shape)} "
+                                   f"{e.dtype}: {_shape_hint(tuple(t.shape), tuple(e.shape))}")
             elif device is not None and t.device != device:
                 yield ValueError, (f"workspace entry {entry!r} is on {t.device} but {type(m).__name__} at "
                                    f"{path or '(root)'!r} is on {device}: move the workspaces "
@@ -166,6 +197,13 @@ def _entry_problems(model, ws, recipe, owners: dict):
     if extra:
         yield KeyError, (f"workspace entries {extra[:5]} belong to no te_func layer of this model: these "
                          f"workspaces were made for another model")
+
+
+def _shape_hint(got: tuple, want: tuple) -> str:
+    if got[1:] == want:
+        return ("it is stacked (one per ensemble member or sample) among entries that are not: stack every "
+                "entry (tef.stack_workspaces) or none")
+    return "these workspaces belong to another model or recipe"
 
 
 def validate_workspaces(model, ws, recipe):
@@ -178,6 +216,9 @@ def validate_workspaces(model, ws, recipe):
     if not isinstance(ws, dict):
         raise TypeError(f"workspaces must be the dict from tef.init_workspaces(model, recipe), got {type(ws).__name__}")
     _check_recipe(recipe)
+    layout = _layout_problem(ws)
+    if layout is not None:
+        raise ValueError(layout)
     owners = {}
     first_entry = next(_entry_problems(model, ws, recipe, owners), None)
     made_for = _made_for_problem(ws, recipe)
@@ -221,9 +262,13 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
         raise ValueError(f"tef.functional_call: the model ({type(model).__name__}) has no te_func layers, so "
                          f"recipe={type(recipe).__name__} would change nothing; convert it first: tef.convert(model)")
     owners = validate_workspaces(model, ws, recipe)
-    scope = current_grad_scope()
-    if scope is not None:
-        scope.backward_keys.update(k for k, e in workspace_spec(model, recipe).items() if e.backward)
+    scopes = open_call_scopes()
+    if scopes:   # what tef.grad merges and te_func.vmapped folds
+        batch_spec = batch_scope_spec(model, recipe)
+        spec = {**workspace_spec(model, recipe), **{k: e for k, e in batch_spec.items() if k in ws}}
+        for scope in scopes:
+            scope.spec.update(spec)
+            scope.batch_spec.update(batch_spec)
     args = args if isinstance(args, tuple) else (args,)
     frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"),
                   update_state=torch.is_grad_enabled(), watch=_watch)
@@ -271,7 +316,7 @@ def _grad_and_value(fn, argnums, fn_name, args, kwargs):
     # knows its model): differentiate every entry that can carry such state, and merge what
     # the calls declare (te_func.quant.workspace.Entry.backward) into new_ws.
     state = {k: v for k, v in args[1].items() if _carries_state(v)}
-    scope = GradScope()
+    scope = CallScope()
 
     def with_state(*a, **k):
         # Not `*user, st = a`: dynamo in torch 2.11 traces that starred target as a tuple and
@@ -280,7 +325,7 @@ def _grad_and_value(fn, argnums, fn_name, args, kwargs):
         user[1] = {**user[1], **st}   # the entries as separate inputs, so that they get gradients
         return _split_aux(fn(*user, **k), fn_name)
 
-    with push_grad_scope(scope):
+    with push_call_scope(scope):
         grads, (loss, new_ws) = torch.func.grad_and_value(with_state, argnums=nums + (len(args),), has_aux=True)(
             *args, state, **kwargs)
     *grads, state_grads = grads
@@ -290,10 +335,11 @@ def _grad_and_value(fn, argnums, fn_name, args, kwargs):
 
 
 def merge_backward_state(new_ws: dict, state_grads: dict) -> dict:
-    """new_ws with each grad history combined with its "gradient" by elementwise max.
+    """new_ws with each grad record combined with its "gradient" by elementwise max.
 
-    That gradient is zero but for slot 0, the backward amax (te_func.ops.gemm_layer.backward_amax),
-    so the max records it in the current step's slot, also across microbatches; a sum would add amaxes.
+    For a history that gradient is zero but for slot 0, the backward amax
+    (te_func.ops.gemm_layer.backward_amax), so the max records it in the current step's slot,
+    also across microbatches; a sum would add amaxes. A batch amax's is the amax itself.
     """
     return {**new_ws, **{k: torch.maximum(new_ws[k], g) for k, g in state_grads.items()}}
 

@@ -5,7 +5,9 @@ the checkpoint tests by adding one row here.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -39,12 +41,16 @@ class LayerCase:
     inputs: Callable[[int, torch.dtype], tuple]
     output: Callable = lambda out: out
     kwargs: dict = field(default_factory=dict)
-    # Whether the per-sample vmap column applies: vmap over dim 0 of the first
+    # Whether the per-sample vmap columns apply: vmap over dim 0 of the first
     # input, the other inputs shared (False for inputs like GroupedLinear's m_splits).
     per_sample: bool = True
-    # The recipes (ids) the torch.compile column runs, None for all: a HuggingFace model takes
-    # dynamo ~10-20 s per graph on CI's CPU.
-    compile_recipes: tuple[str, ...] | None = None
+    # Whether a forward needs its batch dim (a HuggingFace model): the per-sample columns then
+    # pass each sample as a batch of one (tef.per_sample_grad's keepdim); a plain vmap cannot.
+    keepdim: bool = False
+    # The recipes (ids) the slow columns run (torch.compile, per-sample gradients), None for all:
+    # a HuggingFace model takes dynamo ~10-20 s per graph on CI's CPU, and a per-sample vmap
+    # through it seconds per recipe.
+    slow_recipes: tuple[str, ...] | None = None
     # Whether torch.func.grad and eager autograd give the model's gradients bit for bit: not for
     # HF Llama, whose scaled_dot_product_attention backward torch.func runs another way (plain
     # torch shows the same difference), so those compare to fp32 rounding.
@@ -107,13 +113,13 @@ def _converted(make):
 try:
     import transformers  # noqa: F401
     HF_MODELS = [
-        # A forward needs its batch dim, which per-sample vmap takes away: no per-sample column.
-        # The compile columns run one tensor-wise recipe per model (CI time); the te_func
-        # layer rows above compile under every recipe.
-        LayerCase("HF-Llama", _converted(tiny_llama), _token_ids, output=lambda out: out.logits, per_sample=False,
-                  compile_recipes=("current",), exact_grads=False, members=2),
-        LayerCase("HF-GPT2", _converted(tiny_gpt2), _token_ids, output=lambda out: out.logits, per_sample=False,
-                  compile_recipes=("delayed",), members=2),
+        # A forward needs its batch dim: per-sample gradients take each sample as a batch of one.
+        # The slow columns run one tensor-wise recipe per model (CI time); the te_func layer rows
+        # above run them under every recipe.
+        LayerCase("HF-Llama", _converted(tiny_llama), _token_ids, output=lambda out: out.logits, keepdim=True,
+                  slow_recipes=("current",), exact_grads=False, members=2),
+        LayerCase("HF-GPT2", _converted(tiny_gpt2), _token_ids, output=lambda out: out.logits, keepdim=True,
+                  slow_recipes=("delayed",), members=2),
     ]
 except ImportError:      # the test extra installs transformers; without it these rows drop out
     HF_MODELS = []
@@ -161,3 +167,12 @@ def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
 def detached_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What tef.functional_call / tef.grad take as `params`."""
     return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def load_example(name: str):
+    """examples/{name}.py as a module (the examples are scripts, not a package)."""
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

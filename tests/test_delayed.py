@@ -408,10 +408,13 @@ def test_grad_refuses_argnums_over_the_workspaces():
 # vmap
 # =============================================================================
 
-def test_vmap_per_sample_states_fold_into_the_batch_state():
+@pytest.mark.parametrize("scope", ["sample", "batch"])
+def test_vmap_per_sample_states_fold_into_the_batch_state(scope):
     """Per-sample gradients over a shared state give each sample its own new state (vmap runs
-    each sample alone); the max over samples of the histories (scales are shared) is, bit for
-    bit, the state of one call on the whole batch."""
+    each sample alone); folded (tef.fold_workspaces: the histories by max over the samples, the
+    shared scales and casts once) they are, bit for bit, the state of one call on the whole
+    batch, which tef.per_sample_grad returns in either scope (they coincide under DelayedScaling,
+    whose scales come from the shared history)."""
     recipe = DelayedScaling(amax_history_len=4)
     model = make_model()
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -422,11 +425,14 @@ def test_vmap_per_sample_states_fold_into_the_batch_state():
 
     x, y = torch.randn(4, 8, 32), torch.randn(4, 8, 16)
     _, ws = tef.grad(loss_fn)(params, tef.init_workspaces(model, recipe), x[0], y[0])
-    _, per_sample = torch.func.vmap(tef.grad(loss_fn), in_dims=(None, None, 0, 0))(params, ws, x, y)
+    grads, per_sample = torch.func.vmap(tef.grad(loss_fn), in_dims=(None, None, 0, 0))(params, ws, x, y)
     _, batch = tef.grad(loss_fn)(params, ws, x.reshape(32, 32), y.reshape(32, 16))
-    folded = {k: v.amax(0) if k.endswith("amax_history") else v[0] for k, v in per_sample.items()}
+    folded = tef.fold_workspaces(model, per_sample, recipe)
     assert_state_matches(state_of(folded), {k: v.numpy() for k, v in state_of(batch).items()}, "folded")
     assert not torch.equal(per_sample["0.input_amax_history"][0], per_sample["0.input_amax_history"][1])
+    helper_grads, helper_ws = tef.per_sample_grad(loss_fn, (0, 0), scope=scope)(params, ws, x, y)
+    _assert_tree_equal(helper_ws, folded)
+    _assert_tree_equal(helper_grads, grads)
 
 
 # =============================================================================

@@ -18,6 +18,8 @@ import doctest
 import io
 import linecache
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -58,7 +60,11 @@ def test_doc_examples(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     rel = path.relative_to(ROOT).as_posix()
-    namespace = {"__name__": "__docs__"}
+    # A real module, as a script's __main__ is: torch.compile of vmap imports the module that
+    # a traced function's globals name.
+    module = types.ModuleType("__docs__")
+    monkeypatch.setitem(sys.modules, "__docs__", module)
+    namespace = module.__dict__
     for i, (src, expected) in enumerate(_python_blocks(path.read_text(encoding="utf-8"))):
         name = f"{rel}:block{i}"
         # Lets tracebacks show the failing line of the doc, not "???".

@@ -29,31 +29,33 @@ def starts_step(is_first_microbatch: bool | None, update_state: bool | None = No
     return is_first_microbatch is not False and update
 
 
-def _step_state(state: DelayedState, recipe, role: str, start: bool) -> DelayedState:
-    # Detached: the only gradient a state receives is the grad history's, through g_sink.
-    state = DelayedState(state.amax_history.detach(), state.scale.detach())
-    return delayed_update(state, recipe, role) if start else state
+def _step_state(state, recipe, role: str, start: bool):
+    """The state a role quantizes with in this call: detached (the only gradient a state
+    receives is the grad record's, through g_sink), and under DelayedScaling updated when the
+    call starts a step. None stays None."""
+    if state is None:
+        return None
+    state = type(state)(*(t.detach() for t in state))
+    return delayed_update(state, recipe, role) if start and isinstance(state, DelayedState) else state
 
 
 @dataclass
 class GemmStep:
-    """One GEMM's part of a call: the slot, this call's state, and the grad history's entry."""
+    """One GEMM's part of a call: the slot, this call's state, and the grad record's entry."""
     gemm: Gemm
     recipe: object
     slot: GemmSlot
     state: GemmWorkspace           # the cast this call uses, the states it quantizes with
-    sink: torch.Tensor | None      # the raw grad history entry (see te_func.ops.gemm_layer)
+    sink: torch.Tensor | None      # the raw grad record entry (see te_func.ops.gemm_layer)
 
     @classmethod
     def begin(cls, gemm: Gemm, weight: torch.Tensor, recipe, workspace: dict, is_first_microbatch,
               update_state: bool | None = None, prefix: str = "") -> "GemmStep":
         gw = gemm.read(workspace, recipe)
-        sink = None
-        if isinstance(recipe, DelayedScaling):
-            sink = gw.grad.amax_history
-            start = starts_step(is_first_microbatch, update_state)
-            gw = gw._replace(**{role: _step_state(getattr(gw, role), recipe, role, start)
-                                for role in ("input", "weight", "grad")})
+        sink = None if gw.grad is None else gw.grad.record
+        start = isinstance(recipe, DelayedScaling) and starts_step(is_first_microbatch, update_state)
+        gw = gw._replace(**{role: _step_state(getattr(gw, role), recipe, role, start)
+                            for role in ("input", "weight", "grad")})
         cfg = GemmConfig.of(recipe, save_input=needs_weight_grad(weight))
         cast, weight_state, _ = cast_weight(weight, cfg.weight, gw.cast, is_first_microbatch, gw.weight)
         slot = GemmSlot(cfg, gemm.weight, prefix)

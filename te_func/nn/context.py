@@ -19,17 +19,23 @@ from torch._C import _functorch
 
 from ..recipe import DelayedScaling
 
-__all__ = ["Frame", "GradScope", "Binding", "push", "bind", "current_grad_scope", "transform_level"]
+__all__ = ["Frame", "CallScope", "Binding", "push", "bind", "push_call_scope", "open_call_scopes", "transform_level"]
 
-_local = threading.local()
+
+class _Stacks(threading.local):
+    # Made when a thread first touches them, never later: torch.compile guards on the
+    # attributes it reads, and a stack created during the first trace would recompile the
+    # function on the second call.
+    def __init__(self):
+        self.frames: list = []
+        self.call_scopes: list = []
+
+
+_local = _Stacks()
 
 
 def _stack(name: str) -> list:
-    stack = getattr(_local, name, None)
-    if stack is None:
-        stack = []
-        setattr(_local, name, stack)
-    return stack
+    return getattr(_local, name)
 
 
 def transform_level() -> int | None:
@@ -60,10 +66,16 @@ class Frame:
 
 
 @dataclass
-class GradScope:
-    """Opened by tef.grad around its function: each functional_call inside adds the
-    workspace entries its model updates in backward."""
-    backward_keys: set = field(default_factory=set)
+class CallScope:
+    """Opened by tef.grad and te_func.vmapped around a function they transform: each
+    functional_call inside, in every open scope, adds what its model's workspaces hold."""
+    spec: dict = field(default_factory=dict)          # key -> Entry of every entry the calls read
+    batch_spec: dict = field(default_factory=dict)    # key -> Entry of the batch-scope entries they could read
+
+    @property
+    def backward_keys(self) -> set:
+        """The entries whose new value backward computes (Entry.backward)."""
+        return {k for k, e in self.spec.items() if e.backward}
 
 
 @contextlib.contextmanager
@@ -85,13 +97,12 @@ def push(frame: Frame):
     return _pushed("frames", frame)
 
 
-def push_grad_scope(scope: GradScope):
-    return _pushed("grad_scopes", scope)
+def push_call_scope(scope: CallScope):
+    return _pushed("call_scopes", scope)
 
 
-def current_grad_scope() -> GradScope | None:
-    stack = _stack("grad_scopes")
-    return stack[-1] if stack else None
+def open_call_scopes() -> list[CallScope]:
+    return list(_stack("call_scopes"))
 
 
 class Binding(NamedTuple):

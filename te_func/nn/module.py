@@ -32,6 +32,10 @@ class TEModule(nn.Module):
             spec.update(g.entries(self.gemm_weight(g.weight).shape, recipe))
         return spec
 
+    def batch_scope_spec(self, recipe) -> dict[str, Entry]:
+        """The entries a call in batch scope adds (te_func.quant.workspace's batch amaxes)."""
+        return {k: e for g in self.gemms() for k, e in g.batch_entries(recipe).items()}
+
     def init_workspace(self, recipe) -> dict[str, torch.Tensor]:
         """Fresh entries: casts of the current weights, initial DelayedScaling states."""
         entries = {}

@@ -10,12 +10,14 @@ LayerNormMLP and GroupedLinear differ only in what they do around their slots.
 Tensors of a slot with prefix p (None where the recipe keeps no such state):
     inputs   p+w, p+w_scale_inv          the weight's cast (out, in)
              p+w_t, p+w_t_scale_inv      the cast of weight.T (in, out), for the input gradient
-             p+x_history, p+x_scale      DelayedScaling: the GEMM input's state for this step
-             p+g_history, p+g_scale      ... and the output gradient's
+             p+x_record, p+x_scale       the GEMM input's state for this call: DelayedScaling's
+                                         amax history and scale, or in batch scope the batch's
+                                         amax (te_func.quant.BatchAmax; no scale)
+             p+g_record, p+g_scale       ... and the output gradient's
              p+g_sink                    the tensor whose "gradient" carries the backward amax
-                                         (see `backward_amax`): the grad history's workspace entry
-    outputs  p+new_x_history             the input history with this call's amax recorded
-             p+new_g_history             the grad history as this call leaves it: carried state,
+                                         (see `backward_amax`): the grad record's workspace entry
+    outputs  p+new_x_record              the input record with this call's amax recorded
+             p+new_g_record              the grad record as this call leaves it: carried state,
                                          whose backward-time value is g_sink's gradient
              p+x_saved, p+x_saved_scale_inv   what the weight-gradient GEMM reads of the input:
                                          the cast of x.T (blocks along tokens); with the recipe's
@@ -29,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from ..gemm import gemm
-from ..quant import DelayedState, Quantized, Scheme, WeightCast, dequantize, quantize_scheme, quantize_with_transpose
+from ..quant import (BatchAmax, DelayedState, Quantized, Scheme, WeightCast, dequantize, quantize_scheme,
+                     quantize_with_transpose)
 from ..quant import scheme_for
 
 __all__ = ["GemmConfig", "GemmSlot", "forward_gemm", "backward_gemm", "backward_amax"]
@@ -62,7 +65,7 @@ class GemmConfig:
 
 
 def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: GemmConfig,
-                 x_state: DelayedState | None = None):
+                 x_state: DelayedState | BatchAmax | None = None):
     """x (tokens, in) @ w (out, in).T + bias -> (out (tokens, out), x's cast, x.T's cast or None, new x state).
 
     The cast of x.T (blocks along tokens, what the weight-gradient GEMM reads) is made
@@ -79,7 +82,7 @@ def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: 
 
 
 def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized | None, cfg: GemmConfig,
-                  x_dtype: torch.dtype, w_dtype: torch.dtype, g_state: DelayedState | None = None):
+                  x_dtype: torch.dtype, w_dtype: torch.dtype, g_state: DelayedState | BatchAmax | None = None):
     """grad_out (tokens, out) -> (dx (tokens, in) or None, dw (out, in) or None, new grad state).
 
     dx is computed when `w_t` (the cast of weight.T) is given, dw when `xq_t` is.
@@ -96,16 +99,20 @@ def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized
     return dx, dw, new_state
 
 
-def _state(history, scale) -> DelayedState | None:
-    return None if history is None else DelayedState(history, scale)
+def _state(s: Scheme, record, scale) -> DelayedState | BatchAmax | None:
+    """A role's state from its tensors: a history and a scale (the delayed rule), or an amax."""
+    if record is None:
+        return None
+    return DelayedState(record, scale) if s.rule == "delayed" else BatchAmax(record)
 
 
-def backward_amax(new_g: DelayedState | None) -> torch.Tensor | None:
-    """The grad history's "gradient": zeros but for slot 0, the amax of this backward's output
-    gradient (`backward_gemm` records it into a zero history). Merged by max into whatever the
-    history is when backward runs, it lands in the current step's slot, as in TE, also when
-    another step's forward ran in between or this backward is a checkpoint's recompute."""
-    return None if new_g is None else new_g.amax_history
+def backward_amax(new_g: DelayedState | BatchAmax | None) -> torch.Tensor | None:
+    """The grad record's "gradient". For a history: zeros but for slot 0, the amax of this
+    backward's output gradient (`backward_gemm` records it into a zero history). Merged by max
+    into whatever the history is when backward runs, it lands in the current step's slot, as in
+    TE, also when another step's forward ran in between or this backward is a checkpoint's
+    recompute. For a batch amax: the amax this backward quantized with, merged by max likewise."""
+    return None if new_g is None else new_g.record
 
 
 @dataclass(frozen=True)
@@ -121,11 +128,11 @@ class GemmSlot:
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return tuple(map(self._n, ("new_x_history", "new_g_history", "x_saved", "x_saved_scale_inv")))
+        return tuple(map(self._n, ("new_x_record", "new_g_record", "x_saved", "x_saved_scale_inv")))
 
     @property
     def carried(self) -> dict[str, str]:
-        return {self._n("new_g_history"): self._n("g_sink")}
+        return {self._n("new_g_record"): self._n("g_sink")}
 
     @property
     def saved(self) -> tuple[str, ...]:
@@ -133,43 +140,42 @@ class GemmSlot:
         # backward_override the forward's cast ("dequantized") or the weight itself.
         w = {None: ("w_t", "w_t_scale_inv"), "dequantized": ("w", "w_scale_inv"),
              "high_precision": ()}[self.cfg.backward_override]
-        own = tuple(map(self._n, (*w, "x_saved", "x_saved_scale_inv", "g_history", "g_scale")))
+        own = tuple(map(self._n, (*w, "x_saved", "x_saved_scale_inv", "g_record", "g_scale")))
         return own + ((self.weight,) if self.cfg.backward_override == "high_precision" else ())
 
-    def inputs(self, cast: WeightCast, x_state: DelayedState | None, g_state: DelayedState | None,
-               g_sink: torch.Tensor | None) -> dict:
+    def inputs(self, cast: WeightCast, x_state: DelayedState | BatchAmax | None,
+               g_state: DelayedState | BatchAmax | None, g_sink: torch.Tensor | None) -> dict:
         """This slot's input tensors by name, from the GEMM's weight cast and states for this call."""
-        x_history, x_scale = (None, None) if x_state is None else x_state
-        g_history, g_scale = (None, None) if g_state is None else g_state
+        record = lambda st: None if st is None else st.record                       # noqa: E731
+        scale = lambda st: st.scale if isinstance(st, DelayedState) else None       # noqa: E731
         return {self._n(k): v for k, v in (
             ("w", cast.rowwise.data), ("w_scale_inv", cast.rowwise.scale_inv),
             ("w_t", cast.columnwise.data), ("w_t_scale_inv", cast.columnwise.scale_inv),
-            ("x_history", x_history), ("x_scale", x_scale),
-            ("g_sink", g_sink), ("g_history", g_history), ("g_scale", g_scale))}
+            ("x_record", record(x_state)), ("x_scale", scale(x_state)),
+            ("g_sink", g_sink), ("g_record", record(g_state)), ("g_scale", scale(g_state)))}
 
-    def new_states(self, outputs: dict, x_state: DelayedState | None, g_state: DelayedState | None):
+    def new_states(self, outputs: dict, x_state, g_state):
         """The input and grad roles' states after the call: `x_state` with this call's amax
         recorded, `g_state` as the op returned it (carried state, see above)."""
-        if x_state is None:
-            return None, g_state
-        return (DelayedState(outputs[self._n("new_x_history")], x_state.scale),
-                DelayedState(outputs[self._n("new_g_history")], g_state.scale))
+        def after(state, name):
+            return None if state is None else state.with_record(outputs[self._n(name)])
+        return after(x_state, "new_x_record"), after(g_state, "new_g_record")
 
     def forward(self, t: dict, x: torch.Tensor, bias: torch.Tensor | None):
         """x (tokens, in) -> (out (tokens, out) in x's dtype, this slot's outputs by name)."""
         n, cfg = self._n, self.cfg
         w = Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block)
-        out, xq, xq_t, new_x = forward_gemm(x, w, bias, cfg, _state(t[n("x_history")], t[n("x_scale")]))
+        out, xq, xq_t, new_x = forward_gemm(x, w, bias, cfg, _state(cfg.input, t[n("x_record")], t[n("x_scale")]))
         saved, saved_scale_inv = None, None
         if cfg.save_input:
             saved, saved_scale_inv = {None: (None if xq_t is None else xq_t.data, None if xq_t is None else xq_t.scale_inv),
                                       "dequantized": (xq.data, xq.scale_inv),
                                       # a view: a Function may not save an input it returns as is
                                       "high_precision": (x.view_as(x), None)}[cfg.backward_override]
-        g_history = t[n("g_history")]
-        return out, {n("new_x_history"): None if new_x is None else new_x.amax_history,
+        g_record = t[n("g_record")]
+        return out, {n("new_x_record"): None if new_x is None else new_x.record,
                      # a copy: a Function may not return an input as it is
-                     n("new_g_history"): None if g_history is None else g_history.clone(),
+                     n("new_g_record"): None if g_record is None else g_record.clone(),
                      n("x_saved"): saved, n("x_saved_scale_inv"): saved_scale_inv}
 
     def backward(self, s: dict, grad_out: torch.Tensor, need_dx: bool, dx_dtype: torch.dtype | None, ctx):
@@ -184,9 +190,10 @@ class GemmSlot:
             return dx, dw, {}
         w_t = Quantized(s[n("w_t")], s[n("w_t_scale_inv")], cfg.weight.block) if need_dx else None
         xq_t = Quantized(s[n("x_saved")], s[n("x_saved_scale_inv")], cfg.input.block) if need_dw else None
-        # The amax goes into a zero history: only this backward's amax comes back (see backward_amax).
-        g_history = s[n("g_history")]
-        g_state = None if g_history is None else DelayedState(torch.zeros_like(g_history), s[n("g_scale")])
+        g_state = _state(cfg.grad, s[n("g_record")], s[n("g_scale")])
+        if isinstance(g_state, DelayedState):
+            # The amax goes into a zero history: only this backward's amax comes back (see backward_amax).
+            g_state = DelayedState(torch.zeros_like(g_state.amax_history), g_state.scale)
         dx, dw, new_g = backward_gemm(grad_out, w_t, xq_t, cfg, dx_dtype, ctx.dtype.get(weight), g_state)
         sink = n("g_sink")
         return dx, dw, {sink: backward_amax(new_g) if ctx.need.get(sink) else None}

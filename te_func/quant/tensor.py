@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 from ..kernels import tensorwise_cast
 from .scheme import Scheme, e8m0_scale_inv, scale_from_amax, scheme_for
 
-__all__ = ["Quantized", "DelayedState", "quantize", "quantize_with_transpose",
+__all__ = ["Quantized", "DelayedState", "BatchAmax", "quantize", "quantize_with_transpose",
            "quantize_scheme", "dequantize", "transpose"]
 
 
@@ -45,6 +45,30 @@ class DelayedState(NamedTuple):
     """Delayed-scaling state of one tensor role: its amax history and current scale."""
     amax_history: torch.Tensor  # (amax_history_len,) float32; [0] is the current step's slot
     scale: torch.Tensor         # () float32
+
+    @property
+    def record(self) -> torch.Tensor:
+        """What a quantization writes its amax into: the history."""
+        return self.amax_history
+
+    def with_record(self, record: torch.Tensor) -> "DelayedState":
+        return DelayedState(record, self.scale)
+
+
+class BatchAmax(NamedTuple):
+    """Batch-scope state of one tensor role under current scaling (te_func.vmapped): the amax the
+    whole batch's tensor of this role had. A quantization with it uses the scale of
+    max(batch amax, its own amax) and records that max: a per-sample call (whose own amax
+    is at most the batch's) quantizes with the batch's scale, and a call that starts from
+    0 (the pass over the whole batch) quantizes as plain current scaling and records its amax."""
+    amax: torch.Tensor          # () float32
+
+    @property
+    def record(self) -> torch.Tensor:
+        return self.amax
+
+    def with_record(self, record: torch.Tensor) -> "BatchAmax":
+        return BatchAmax(record)
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> torch.Tensor:
@@ -102,11 +126,11 @@ def _record_amax(state: DelayedState, amax: torch.Tensor) -> DelayedState:
     return DelayedState(torch.cat([torch.maximum(history[:1], amax.reshape(1)), history[1:]]), state.scale)
 
 
-def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | None, with_transpose: bool):
+def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | None, with_transpose: bool):
     """A tensor-wise cast by te_func.kernels (eager CUDA; bit-identical to the torch code
     below): (q, q of x.T or None, new_state), or None where the kernels do not apply."""
-    if s.rule == "delayed" and state is None:
-        return None
+    if (s.rule == "delayed") != (state is not None):
+        return None     # delayed without its state (an error below), or current with a batch amax
     out = tensorwise_cast(x, s.dtype, s.fp8_max, s.amax_epsilon, s.power_2_scale,
                           state.scale if s.rule == "delayed" else None, with_transpose)
     if out is None:
@@ -116,9 +140,10 @@ def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | None, with_tra
     return Quantized(data, scale_inv), q_t, _record_amax(state, amax) if s.rule == "delayed" else None
 
 
-def quantize_scheme(x: torch.Tensor, s: Scheme, state: DelayedState | None = None):
-    """Quantize `x` by scheme `s`. Returns (Quantized, new_state); new_state is None
-    unless the scheme is delayed, then `state` with this tensor's amax recorded."""
+def quantize_scheme(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | None = None):
+    """Quantize `x` by scheme `s`. Returns (Quantized, new_state): `state` with this tensor's
+    amax recorded (a DelayedState for the delayed rule, a BatchAmax for a tensor-wise
+    current one), or None when `state` is None and the scheme needs none."""
     if s.block is None:
         if s.rule == "delayed" and state is None:
             raise ValueError("DelayedScaling needs its state (amax history and scale): call the "
@@ -130,10 +155,17 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state: DelayedState | None = Non
         amax = amax_of(x)
         if s.rule == "delayed":
             scale, new_state = state.scale, _record_amax(state, amax)
+        elif state is not None:     # batch scope: the batch's amax, unless this tensor's is larger
+            amax = torch.maximum(state.amax, amax)
+            scale = scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale)
+            new_state = BatchAmax(amax)
         else:
             scale, new_state = scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale), None
         return Quantized(_cast(x, scale, s), torch.reciprocal(scale)), new_state
 
+    if state is not None:
+        raise ValueError(f"a {s.block} block scheme computes its scales from each block and takes no "
+                         f"state, got {type(state).__name__}")
     blocks = _blocked(x, s.block)
     amax = torch.amax(abs_skipping_nan(blocks), dim=(1, 3))      # (row_blocks, col_blocks)
     if s.rule == "e8m0":
@@ -146,11 +178,12 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state: DelayedState | None = Non
     return Quantized(data, scale_inv, s.block), None
 
 
-def quantize(x: torch.Tensor, recipe, role: str = "input", state: DelayedState | None = None):
+def quantize(x: torch.Tensor, recipe, role: str = "input", state: DelayedState | BatchAmax | None = None):
     """Quantize `x` as `recipe` quantizes tensors of `role` ("input", "weight" or "grad").
 
     Returns `(Quantized, new_state)`; `state` and `new_state` are the role's
-    `DelayedState` under DelayedScaling, None otherwise.
+    `DelayedState` under DelayedScaling, a `BatchAmax` for a per-sample call in batch
+    scope under Float8CurrentScaling, None otherwise.
     """
     return quantize_scheme(x, scheme_for(recipe, role), state)
 
@@ -165,7 +198,7 @@ def transpose(q: Quantized) -> Quantized:
     return Quantized(q.data.t().clone(memory_format=torch.contiguous_format), scale_inv, q.block)
 
 
-def quantize_with_transpose(x: torch.Tensor, s: Scheme, state: DelayedState | None = None):
+def quantize_with_transpose(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | None = None):
     """Both copies a GEMM layer needs of a 2-D `x`: blocks along its rows and along its
     columns. Returns (q, q_t, new_state), q_t being the cast of x.T."""
     fused = _fused_cast(x, s, state, with_transpose=True) if s.block is None else None

@@ -26,6 +26,16 @@ and every workspace dict holds one more entry, `RECIPE_KEY`: the format
 version and a fingerprint of the recipe it was made for (`fingerprint`).
 Names are plain (`[A-Za-z0-9_.]+`), no two entries share storage, and the
 list of names of each layer x recipe is pinned by tests/golden_workspaces.json.
+
+Batch scope (te_func.vmapped: per-sample gradients quantized as the whole batch
+is) adds, for one call and under tensor-wise current scaling only, the amax the
+whole batch had (`Gemm.batch_entries`; never kept between calls):
+
+    {prefix}input_batch_amax      ()   fp32      the GEMM input's
+    {prefix}grad_batch_amax       ()   fp32      the output gradient's (updated in backward)
+
+Each entry declares its `kind`, which says how the copies a per-sample vmap
+makes of it combine into the whole batch's (`Entry.records_amax`).
 """
 from __future__ import annotations
 
@@ -37,9 +47,9 @@ import torch
 from ..recipe import DelayedScaling, fingerprint
 from .delayed import init_delayed_state
 from .scheme import Scheme, scheme_for
-from .tensor import DelayedState, Quantized, quantize_with_transpose
+from .tensor import BatchAmax, DelayedState, Quantized, quantize_with_transpose
 
-__all__ = ["FORMAT_VERSION", "RECIPE_KEY", "RECIPE_ENTRY", "CAST_FIELDS", "Entry", "Gemm", "GemmWorkspace", "WeightCast",
+__all__ = ["FORMAT_VERSION", "RECIPE_KEY", "RECIPE_ENTRY", "CAST_FIELDS", "KINDS", "Entry", "Gemm", "GemmWorkspace", "WeightCast",
            "cast_entries", "cast_from_flat", "cast_to_flat", "make_cast", "fingerprint_entry",
            "ROLES_OF_GEMM"]
 
@@ -51,12 +61,26 @@ RECIPE_KEY = "te_func_recipe"
 ROLES_OF_GEMM = ("input", "weight", "grad")
 
 
+# What an entry holds: a weight cast's tensor; a DelayedScaling amax history or scale; a
+# batch-scope amax; the recipe fingerprint.
+KINDS = ("cast", "amax_history", "scale", "batch_amax", "recipe")
+
+
 class Entry(NamedTuple):
-    """What one workspace entry must be. `backward`: its new value is computed in
-    backward and comes back as the "gradient" of the entry (see te_func.frame.grad)."""
+    """What one workspace entry must be. `kind`: one of KINDS. `backward`: its new value is
+    computed in backward and comes back as the "gradient" of the entry (see te_func.frame.grad)."""
     shape: tuple[int, ...]
     dtype: torch.dtype
+    kind: str
     backward: bool = False
+
+    @property
+    def records_amax(self) -> bool:
+        """Whether the entry records amaxes (histories, batch amaxes): a call on one sample writes
+        that sample's amax there, so per-sample copies made from one state combine by max into
+        the whole batch's. Every other kind (casts, scales, the fingerprint) is computed from the
+        shared state and parameters alone, so it is the same in every sample's copy."""
+        return self.kind in ("amax_history", "batch_amax")
 
 
 class WeightCast(NamedTuple):
@@ -65,11 +89,12 @@ class WeightCast(NamedTuple):
 
 
 class GemmWorkspace(NamedTuple):
-    """One GEMM's workspace as typed values; see the module docstring."""
+    """One GEMM's workspace as typed values; see the module docstring. A role's state is a
+    DelayedState under DelayedScaling, a BatchAmax in batch scope, else None."""
     cast: WeightCast | None
-    input: DelayedState | None = None
+    input: DelayedState | BatchAmax | None = None
     weight: DelayedState | None = None
-    grad: DelayedState | None = None
+    grad: DelayedState | BatchAmax | None = None
 
 
 # --- the weight cast -------------------------------------------------------------------------
@@ -84,10 +109,11 @@ def _shared_scale(s: Scheme) -> bool:
 def cast_entries(shape: tuple[int, int], s: Scheme) -> dict[str, Entry]:
     """The entries of the cast of a weight of `shape` (out, in) by scheme `s`."""
     out_f, in_f = shape
-    entries = {"data": Entry((out_f, in_f), s.dtype), "scale_inv": Entry(s.scale_shape((out_f, in_f)), s.scale_dtype),
-               "data_t": Entry((in_f, out_f), s.dtype)}
+    entries = {"data": Entry((out_f, in_f), s.dtype, "cast"),
+               "scale_inv": Entry(s.scale_shape((out_f, in_f)), s.scale_dtype, "cast"),
+               "data_t": Entry((in_f, out_f), s.dtype, "cast")}
     if not _shared_scale(s):
-        entries["scale_inv_t"] = Entry(s.scale_shape((in_f, out_f)), s.scale_dtype)
+        entries["scale_inv_t"] = Entry(s.scale_shape((in_f, out_f)), s.scale_dtype, "cast")
     return entries
 
 
@@ -133,9 +159,20 @@ class Gemm:
                for k, e in cast_entries(tuple(weight_shape), scheme_for(recipe, "weight")).items()}
         if isinstance(recipe, DelayedScaling):
             for role, name in self.state_names().items():
-                out[f"{name}_amax_history"] = Entry((recipe.amax_history_len,), torch.float32, role == "grad")
-                out[f"{name}_scale"] = Entry((), torch.float32)
+                out[f"{name}_amax_history"] = Entry((recipe.amax_history_len,), torch.float32, "amax_history",
+                                                    role == "grad")
+                out[f"{name}_scale"] = Entry((), torch.float32, "scale")
         return out
+
+    def batch_entries(self, recipe) -> dict[str, Entry]:
+        """Op-local name -> Entry of the batch-scope amaxes (module docstring): one per role whose
+        scale the recipe computes from the whole tensor at hand, a tensor-wise current scale. The
+        weight is shared by every sample, and so are DelayedScaling's scales (from the history);
+        block scales (MXFP8, Float8BlockScaling) come from blocks within one token or, along the
+        tokens, within one sample when its token count is a multiple of the block."""
+        names = self.state_names()
+        return {f"{names[role]}_batch_amax": Entry((), torch.float32, "batch_amax", role == "grad")
+                for role in ("input", "grad") if _batch_scoped(recipe, role)}
 
     def read(self, workspace: dict, recipe) -> GemmWorkspace:
         """The typed view of this GEMM's entries in an op-local `workspace` (None for missing ones:
@@ -148,7 +185,11 @@ class Gemm:
         # all(...), not `set <= keys`: torch 2.11's dynamo cannot trace set comparisons.
         cast = cast_from_flat(flat, s) if all(k in flat for k in cast_entries((1, 1), s)) else None
         if not isinstance(recipe, DelayedScaling):
-            return GemmWorkspace(cast)
+            # Batch scope: the entries are there for the call (the frame checks all or none are).
+            names = self.state_names()
+            batch = {role: BatchAmax(workspace[f"{names[role]}_batch_amax"]) for role in ("input", "grad")
+                     if f"{names[role]}_batch_amax" in workspace}
+            return GemmWorkspace(cast, **batch)
         states = {}
         for role, name in self.state_names().items():
             history, scale = workspace.get(f"{name}_amax_history"), workspace.get(f"{name}_scale")
@@ -166,8 +207,10 @@ class Gemm:
                         for k, v in cast_to_flat(gw.cast, scheme_for(recipe, "weight")).items()})
         for role, name in self.state_names().items():
             state = getattr(gw, role)
-            if state is not None:
+            if isinstance(state, DelayedState):
                 out[f"{name}_amax_history"], out[f"{name}_scale"] = state
+            elif isinstance(state, BatchAmax):
+                out[f"{name}_batch_amax"] = state.amax
         return out
 
     def init(self, weight: torch.Tensor, recipe) -> GemmWorkspace:
@@ -183,9 +226,19 @@ class Gemm:
         return GemmWorkspace(cast, **states)
 
 
+def _batch_scoped(recipe, role: str) -> bool:
+    """Whether `recipe` quantizes `role` with one scale from the whole tensor's amax."""
+    if recipe is None or isinstance(recipe, DelayedScaling):
+        return False
+    if role == "grad" and recipe.backward_override is not None:
+        return False          # the gradient stays in high precision
+    s = scheme_for(recipe, role)
+    return s.block is None and s.rule == "current"
+
+
 # --- recipe identity --------------------------------------------------------------------------
 
-RECIPE_ENTRY = Entry((2,), torch.int64)
+RECIPE_ENTRY = Entry((2,), torch.int64, "recipe")
 
 
 def fingerprint_entry(recipe, device=None) -> torch.Tensor:
