@@ -17,17 +17,20 @@ from torch._C import _functorch
 
 from ..recipe import DelayedScaling
 
-__all__ = ["Frame", "GradScope", "push", "bind", "current_grad_scope", "transform_level"]
+__all__ = ["Frame", "GradScope", "push", "bind", "current_frame", "current_grad_scope", "transform_level"]
 
-_local = threading.local()
+class _Stacks(threading.local):
+    # Both stacks exist from a thread's first look: a stack made while torch.compile traces
+    # would turn into a guard on its absence, and the next call would recompile.
+    def __init__(self):
+        self.frames, self.grad_scopes = [], []
+
+
+_local = _Stacks()
 
 
 def _stack(name: str) -> list:
-    stack = getattr(_local, name, None)
-    if stack is None:
-        stack = []
-        setattr(_local, name, stack)
-    return stack
+    return getattr(_local, name)
 
 
 def transform_level() -> int | None:
@@ -48,6 +51,7 @@ class Frame:
     is_first_microbatch: bool | None = None
     updates: dict = field(default_factory=dict)    # entries written during this call
     level: int | None = None                       # transform_level() when the frame was pushed
+    grad_enabled: bool = True                      # torch.is_grad_enabled() then (FSDP's hooks run under no_grad)
 
 
 @dataclass
@@ -55,6 +59,8 @@ class GradScope:
     """Opened by tef.grad around its function: each functional_call inside adds the
     workspace entries its model updates in backward."""
     backward_keys: set = field(default_factory=set)
+    # backward entry -> the group its amaxes are all-reduced over (te_func.distributed)
+    amax_groups: dict = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -73,11 +79,18 @@ def _pushed(name: str, item):
 
 def push(frame: Frame):
     frame.level = transform_level()
+    frame.grad_enabled = torch.is_grad_enabled()
     return _pushed("frames", frame)
 
 
 def push_grad_scope(scope: GradScope):
     return _pushed("grad_scopes", scope)
+
+
+def current_frame() -> Frame | None:
+    """The innermost frame of this thread, or None outside any."""
+    stack = _stack("frames")
+    return stack[-1] if stack else None
 
 
 def current_grad_scope() -> GradScope | None:

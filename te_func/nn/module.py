@@ -28,11 +28,16 @@ class TEModule(nn.Module):
             spec.update(g.entries(getattr(self, g.weight).shape, recipe))
         return spec
 
-    def init_workspace(self, recipe) -> dict[str, torch.Tensor]:
-        """Fresh entries: casts of the current weights, initial DelayedScaling states."""
+    def init_workspace(self, recipe, weights: dict | None = None) -> dict[str, torch.Tensor]:
+        """Fresh entries: casts of the current weights, initial DelayedScaling states.
+
+        weights: GEMM weight name -> the tensor to cast instead of the parameter (the frame
+        passes the gathered weight of a parameter FSDP keeps sharded).
+        """
         entries = {}
         for g in self.gemms():
-            entries.update(g.write(g.init(getattr(self, g.weight), recipe), recipe))
+            weight = (weights or {}).get(g.weight, getattr(self, g.weight))
+            entries.update(g.write(g.init(weight, recipe), recipe))
         return entries
 
     def _bind(self, is_first_microbatch):

@@ -4,7 +4,8 @@ An op is a frozen dataclass holding its static configuration (a constant for
 torch.compile) and its math:
 
     outputs         every tensor `forward` returns, by name
-    differentiable  those of them that receive gradients; the others (new
+    differentiable  those of them that receive gradients (an unused one gets None, but for
+                    the first, which gets zeros); the others (new
                     state, what backward reads) are non-differentiable
     saved           the inputs and outputs `backward` reads, by name
     forward(t)                  t: input name -> tensor or None; returns output name -> tensor or None
@@ -61,6 +62,12 @@ class _Boundary(torch.autograd.Function):
         ctx.save_for_backward(*(named.get(k) for k in op.saved))
         ctx.op, ctx.names = op, names
         ctx.dtypes = {k: v.dtype for k, v in zip(names, values) if isinstance(v, torch.Tensor)}
+        # An output nobody used gets None, not zeros that autograd would make as a plain
+        # tensor (wrong beside DTensor gradients under tensor parallelism); only the first
+        # output's gradient, which every op's backward starts from, is filled in.
+        ctx.set_materialize_grads(False)
+        first = outputs[op.differentiable[0]]
+        ctx.first_meta = (first.shape, first.dtype, first.device)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -68,6 +75,10 @@ class _Boundary(torch.autograd.Function):
         saved = dict(zip(op.saved, ctx.saved_tensors))
         need = dict(zip(ctx.names, ctx.needs_input_grad[2:]))
         out_grads = {k: g for k, g in zip(op.outputs, grads) if k in op.differentiable}
+        first = op.differentiable[0]
+        if out_grads[first] is None:
+            shape, dtype, device = ctx.first_meta
+            out_grads[first] = torch.zeros(shape, dtype=dtype, device=device)
         input_grads = op.backward(saved, out_grads, GradContext(need, ctx.dtypes))
         unknown = input_grads.keys() - need.keys()
         if unknown:

@@ -104,7 +104,15 @@ def cast_from_flat(flat: dict, s: Scheme) -> WeightCast:
 
 
 def make_cast(weight: torch.Tensor, s: Scheme, state: DelayedState | None = None):
-    """The cast of a 2-D weight, both layouts. Returns (WeightCast, new_state)."""
+    """The cast of a 2-D weight, both layouts. Returns (WeightCast, new_state).
+
+    A weight that arrives already cast (the output of an FP8 all-gather,
+    te_func.distributed) has a method `te_func_weight_cast(s, state) -> (WeightCast,
+    new_state)`, which gives the cast it carries instead of casting it again.
+    """
+    carried = getattr(weight, "te_func_weight_cast", None)
+    if carried is not None:
+        return carried(s, state)
     q, q_t, new_state = quantize_with_transpose(weight, s, state)
     return WeightCast(q, q_t), new_state
 
