@@ -8,6 +8,8 @@ The package's layers, each importing only those below it:
 
     shell.py     Stateful: the only place anything is mutated
     frame.py     functional_call, init_workspaces, autocast, grad: workspace entries by module path
+    distributed/ torch.distributed: FSDP2's weights, FP8 all-gather, amax reduction, tensor parallelism,
+                 checkpoints
     nn/          modules: parameter holders with TE's names; forward calls one functional op
     functional/  per-op functions: tensors and an op-local workspace dict in, (out, new workspace) out
     ops/         autograd Functions: tensors in, tensors out (no dicts, no modules, no global state)
@@ -21,12 +23,12 @@ the same outputs; compiled results equal eager ones; a workspace made for
 another recipe, or with entries another model's layers would have, is refused
 with an error naming the entry.
 """
-from . import functional, nn, quant, recipe
+from . import distributed, functional, nn, quant, recipe
 from .frame import (autocast, functional_call, grad, init_workspaces, upgrade_workspaces, validate_workspaces,
                     value_and_grad, workspace_spec)
 from .functional._common import set_check_finite
 from .shell import Stateful
 
-__all__ = ["functional", "nn", "quant", "recipe", "autocast", "functional_call", "grad",
+__all__ = ["distributed", "functional", "nn", "quant", "recipe", "autocast", "functional_call", "grad",
            "init_workspaces", "value_and_grad", "workspace_spec", "validate_workspaces",
            "upgrade_workspaces", "Stateful", "set_check_finite"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import distributed
 from .frame import (backward_keys, functional_call, init_workspaces, mark_static, upgrade_workspaces,
                     validate_workspaces)
 
@@ -26,12 +27,19 @@ class Stateful(nn.Module):
 
     Under DelayedScaling, backward (`loss.backward()`) records the grad-output
     amaxes into `shell.workspaces`, merged by max across the microbatches of a step.
+
+    amax_group: with DelayedScaling(reduce_amax=True) under torch.distributed, the ranks
+    whose amaxes are all-reduced, after each forward and each backward (None: the default
+    group; see te_func.distributed.amax_reduction_group).
     """
 
-    def __init__(self, model: nn.Module, recipe):
+    def __init__(self, model: nn.Module, recipe, *, amax_group=None):
         super().__init__()
         self.model = model
         self.recipe = recipe
+        self.amax_group = amax_group
+        self._amax_reduction = distributed.amax_reduction_group(recipe, amax_group)
+        self._pending = {}       # backward amaxes waiting for their all-reduce at the end of backward
         self.workspaces = init_workspaces(model, recipe)
         self._make_grad_sinks()
 
@@ -52,8 +60,22 @@ class Stateful(nn.Module):
         return sinks
 
     def _absorb(self, key: str, sink: torch.Tensor):
-        self.workspaces = {**self.workspaces, key: torch.maximum(self.workspaces[key], sink.grad)}
-        sink.grad = None
+        amax, sink.grad = sink.grad, None
+        if self._amax_reduction is None:
+            self.workspaces = {**self.workspaces, key: torch.maximum(self.workspaces[key], amax)}
+            return
+        # All-reduced once this backward is over, all entries at once (as TE does after a backward).
+        if not self._pending:
+            torch.autograd.Variable._execution_engine.queue_callback(self._absorb_reduced)
+        self._pending[key] = torch.maximum(self._pending[key], amax) if key in self._pending else amax
+
+    def _absorb_reduced(self):
+        # Every rank reduces every grad history (zeros where its backward recorded nothing),
+        # so the collective is the same on all ranks.
+        pending, self._pending = self._pending, {}
+        amaxes = {k: pending.get(k, torch.zeros_like(self.workspaces[k])) for k in self._grad_sinks}
+        reduced = distributed.reduce_amax_slots(amaxes, self._amax_reduction)
+        self.workspaces = {**self.workspaces, **{k: torch.maximum(self.workspaces[k], reduced[k]) for k in reduced}}
 
     def forward(self, *args, is_first_microbatch: bool | None = None, **kwargs):
         params = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
@@ -64,8 +86,8 @@ class Stateful(nn.Module):
             # outside the graph, so each microbatch's backward must precede the next forward.
             sinks = self._grad_sinks if torch.compiler.is_compiling() else self._new_grad_sinks()
             ws = {**ws, **{k: ws[k] + sink for k, sink in sinks.items()}}
-        out, new_ws = functional_call(self.model, params, ws, args, kwargs,
-                                      recipe=self.recipe, is_first_microbatch=is_first_microbatch)
+        out, new_ws = functional_call(self.model, params, ws, args, kwargs, recipe=self.recipe,
+                                      is_first_microbatch=is_first_microbatch, amax_group=self.amax_group)
         self.workspaces = {**new_ws, **{k: new_ws[k].detach() for k in self._grad_sinks}}
         return out
 
@@ -109,4 +131,4 @@ class Stateful(nn.Module):
         return result
 
     def extra_repr(self) -> str:
-        return f"recipe={self.recipe!r}"
+        return f"recipe={self.recipe!r}" + ("" if self.amax_group is None else f", amax_group={self.amax_group!r}")
