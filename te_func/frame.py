@@ -21,7 +21,7 @@ from .quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, Entry, fi
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, fingerprint
 
 __all__ = ["init_workspaces", "functional_call", "autocast", "grad", "value_and_grad", "workspace_spec",
-           "validate_workspaces", "backward_keys", "upgrade_workspaces", "reduce_backward_amaxes"]
+           "validate_workspaces", "backward_keys", "upgrade_workspaces"]
 
 _RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling)
 
@@ -304,10 +304,10 @@ def _grad_and_value(fn, argnums, fn_name, args, kwargs):
     grads = grads[0] if isinstance(argnums, int) else tuple(grads)
     grads = distributed.scattered_grads(grads, argnums, shard_specs)
     backward = {k: state_grads[k] for k in scope.backward_keys if k in state_grads}
-    return grads, loss, merge_backward_state(new_ws, reduce_backward_amaxes(backward, scope.amax_groups))
+    return grads, loss, merge_backward_state(new_ws, _reduce_backward_amaxes(backward, scope.amax_groups))
 
 
-def reduce_backward_amaxes(state_grads: dict, groups: dict) -> dict:
+def _reduce_backward_amaxes(state_grads: dict, groups: dict) -> dict:
     """The backward amaxes (slot 0 of each grad history's "gradient") all-reduced over the group
     each entry's call chose, one all-reduce per group, as TE reduces them after a backward."""
     by_group = {}

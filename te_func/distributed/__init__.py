@@ -21,7 +21,7 @@ What it promises (docs/distributed.md has the how-to):
 
 Nothing below te_func.frame imports this package; the lower layers offer three
 documented hooks it uses: `TEModule.init_workspace(recipe, weights=)`, a
-weight's `te_func_weight_cast` (te_func.quant.workspace.make_cast), and the
+weight that carries its cast (te_func.quant.workspace.CarriedCast), and the
 global value of a DTensor's amax (te_func.quant.tensor.record_amax).
 """
 from ._amax import amax_reduction_group, reduce_amax_slots

@@ -39,9 +39,10 @@ from torch import nn
 
 from ..nn import TEModule
 from ..nn.context import current_frame
-from ..quant import (DelayedState, Quantized, WeightCast, cast_with_scale, delayed_update, dequantize, record_amax,
-                     scale_from_amax, scheme_for, transpose)
-from ..quant.tensor import abs_skipping_nan
+from ..quant import (DelayedState, Quantized, WeightCast, delayed_update, dequantize, scale_from_amax, scheme_for,
+                     transpose)
+from ..quant.tensor import abs_skipping_nan, cast_with_scale, record_amax
+from ..quant.workspace import CarriedCast
 from ._fsdp import _is_dtensor
 from ..recipe import DelayedScaling, Float8CurrentScaling
 
@@ -155,7 +156,7 @@ def _delayed_scale(recipe, module, name: str):
     return delayed_update(state, recipe, "weight").scale if start else state.scale
 
 
-class Float8GatheredWeight(torch.Tensor):
+class Float8GatheredWeight(CarriedCast):
     """The unsharded weight FSDP gathered in FP8: data (out, in), its scale_inv () and the
     whole weight's amax (). A te_func GEMM takes its cast from it (`te_func_weight_cast`);
     any other computation with it raises."""

@@ -92,6 +92,11 @@ def cast_sources(module_path: str, module, units: dict) -> dict | None:
     return weights or None
 
 
+# torch 2.13 renamed the tensor collectives (the old names warn); 2.11 has only the old ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _chunk(rows: int, world: int) -> int:
     # FSDP's and DTensor's Shard(0): torch.chunk's ceil(rows / world) rows a rank, the last ones
     # shorter or empty.
@@ -110,7 +115,7 @@ def _all_gather_rows(local: torch.Tensor, rows: int, group) -> torch.Tensor:
     # c10d's collectives on tensors made here: the functional ones carry autograd Functions
     # that torch.func refuses, and the caller is the differentiable step.
     with torch.no_grad():
-        dist.all_gather_into_tensor(full, local, group=group)
+        _ALL_GATHER(full, local, group=group)
     return full[:rows]
 
 
@@ -121,7 +126,7 @@ def _reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
     full = _padded(full, world * chunk).contiguous()
     local = full.new_empty(chunk, *full.shape[1:])
     with torch.no_grad():
-        dist.reduce_scatter_tensor(local, full, op=dist.ReduceOp.AVG, group=group)
+        _REDUCE_SCATTER(local, full, op=dist.ReduceOp.AVG, group=group)
     return local[:max(0, min(chunk, rows - rank * chunk))]
 
 

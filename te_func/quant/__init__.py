@@ -1,14 +1,13 @@
 """Scaling math, quantize / dequantize, cached weight casts, and the workspace format."""
 from .scheme import Scheme, scheme_for, scale_from_amax, e8m0_scale_inv, round_down_pow2
-from .tensor import (DelayedState, Quantized, cast_with_scale, dequantize, quantize, quantize_scheme,
-                     quantize_with_transpose, record_amax, transpose)
+from .tensor import (DelayedState, Quantized, dequantize, quantize, quantize_scheme,
+                     quantize_with_transpose, transpose)
 from .delayed import delayed_update, init_delayed_state
 from .workspace import CAST_FIELDS, Entry, Gemm, GemmWorkspace, WeightCast
 from .weight import Quantizer, cast_weight, quantize_weight
 
 __all__ = ["Scheme", "scheme_for", "scale_from_amax", "e8m0_scale_inv", "round_down_pow2",
            "DelayedState", "Quantized", "dequantize", "quantize", "quantize_scheme",
-           "quantize_with_transpose", "transpose", "record_amax", "cast_with_scale", "delayed_update",
-           "init_delayed_state",
+           "quantize_with_transpose", "transpose", "delayed_update", "init_delayed_state",
            "CAST_FIELDS", "Entry", "Gemm", "GemmWorkspace", "WeightCast", "Quantizer", "cast_weight",
            "quantize_weight"]

@@ -39,9 +39,9 @@ from .delayed import init_delayed_state
 from .scheme import Scheme, scheme_for
 from .tensor import DelayedState, Quantized, quantize_with_transpose
 
-__all__ = ["FORMAT_VERSION", "RECIPE_KEY", "RECIPE_ENTRY", "CAST_FIELDS", "Entry", "Gemm", "GemmWorkspace", "WeightCast",
-           "cast_entries", "cast_from_flat", "cast_to_flat", "make_cast", "fingerprint_entry",
-           "ROLES_OF_GEMM"]
+__all__ = ["FORMAT_VERSION", "RECIPE_KEY", "RECIPE_ENTRY", "CAST_FIELDS", "CarriedCast", "Entry", "Gemm",
+           "GemmWorkspace", "WeightCast", "cast_entries", "cast_from_flat", "cast_to_flat", "make_cast",
+           "fingerprint_entry", "ROLES_OF_GEMM"]
 
 # 1: te_func 0.1 (recipe repr and made_by= in key names); 2: this module.
 FORMAT_VERSION = 2
@@ -103,16 +103,18 @@ def cast_from_flat(flat: dict, s: Scheme) -> WeightCast:
     return WeightCast(Quantized(flat["data"], flat["scale_inv"], s.block), Quantized(flat["data_t"], scale_inv_t, s.block))
 
 
-def make_cast(weight: torch.Tensor, s: Scheme, state: DelayedState | None = None):
-    """The cast of a 2-D weight, both layouts. Returns (WeightCast, new_state).
+class CarriedCast(torch.Tensor):
+    """A weight that arrives already cast, such as an FP8 all-gather's output (te_func.distributed):
+    a tensor subclass with a method `te_func_weight_cast(s, state) -> (WeightCast, new_state)`,
+    which `make_cast` takes instead of casting. A base class rather than a duck-typed method,
+    because torch.compile traces isinstance checks of tensor subclasses."""
 
-    A weight that arrives already cast (the output of an FP8 all-gather,
-    te_func.distributed) has a method `te_func_weight_cast(s, state) -> (WeightCast,
-    new_state)`, which gives the cast it carries instead of casting it again.
-    """
-    carried = getattr(weight, "te_func_weight_cast", None)
-    if carried is not None:
-        return carried(s, state)
+
+def make_cast(weight: torch.Tensor, s: Scheme, state: DelayedState | None = None):
+    """The cast of a 2-D weight, both layouts (or the one it carries, see CarriedCast).
+    Returns (WeightCast, new_state)."""
+    if isinstance(weight, CarriedCast):
+        return weight.te_func_weight_cast(s, state)
     q, q_t, new_state = quantize_with_transpose(weight, s, state)
     return WeightCast(q, q_t), new_state
 
