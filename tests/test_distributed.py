@@ -236,6 +236,33 @@ def test_fsdp_float8_all_gather_halves_the_gathered_bytes():
         assert bf16 > 0 and fp8 * 2 == bf16
 
 
+def test_fp8_all_gather_refuses_what_it_cannot_do():
+    """Block recipes and a high-precision backward are refused up front; an FP8-gathered weight in a
+    high-precision call, or cast for another recipe, raises instead of computing with FP8 values."""
+    from te_func.quant import scheme_for
+    from te_func.quant.workspace import make_cast
+    with pytest.raises(ValueError, match="tensor-wise recipes"):
+        tef.distributed.enable_fsdp_float8_all_gather(H.make_model(), RECIPES["mxfp8"])
+    with pytest.raises(ValueError, match="high_precision"):
+        tef.distributed.enable_fsdp_float8_all_gather(H.make_model(),
+                                                      Float8CurrentScaling(backward_override="high_precision"))
+    model = tef.distributed.enable_fsdp_float8_all_gather(H.make_model(), RECIPES["current"])
+    assert isinstance(model[2].weight, tef.distributed.Float8AllGatherWeight)
+    with pytest.raises(ValueError, match="already applied"):
+        tef.distributed.enable_fsdp_float8_all_gather(model, RECIPES["current"])
+    # what FSDP's post-all-gather hands the layer
+    w = torch.randn(64, 32)
+    cast, _ = make_cast(w, scheme_for(RECIPES["current"], "weight"))
+    gathered = tef.distributed.Float8GatheredWeight(cast.rowwise.data, cast.rowwise.scale_inv, w.abs().max(),
+                                                    RECIPES["current"], torch.float32)
+    with pytest.raises(RuntimeError, match="all-gathered in FP8"):
+        torch.nn.functional.linear(torch.randn(4, 32), gathered)
+    with pytest.raises(ValueError, match="cannot be cast"):
+        make_cast(gathered, scheme_for(RECIPES["delayed"], "weight"))
+    carried, _ = make_cast(gathered, scheme_for(RECIPES["current"], "weight"))
+    assert torch.equal(H.bits(carried.columnwise.data), H.bits(cast.columnwise.data))
+
+
 # --- amax reduction ---------------------------------------------------------------------------
 
 def amax_reduction(rank, world):

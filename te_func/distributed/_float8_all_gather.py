@@ -43,8 +43,8 @@ from ..quant import (DelayedState, Quantized, WeightCast, delayed_update, dequan
                      transpose)
 from ..quant.tensor import abs_skipping_nan, cast_with_scale, record_amax
 from ..quant.workspace import CarriedCast
-from ._fsdp import _is_dtensor
 from ..recipe import DelayedScaling, Float8CurrentScaling
+from ._fsdp import _is_dtensor
 
 __all__ = ["Float8AllGatherWeight", "Float8GatheredWeight", "enable_fsdp_float8_all_gather"]
 
@@ -105,7 +105,7 @@ class Float8AllGatherWeight(torch.Tensor):
         with torch.no_grad():
             amax = torch.amax(abs_skipping_nan(local)) if local.numel() else local.new_zeros((), dtype=torch.float32)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())   # the whole weight's
-            scale = _delayed_scale(self._recipe, module, self._name(module))
+            scale = _delayed_scale(self._recipe, module, self)
             if scale is None:
                 scale = scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale)
             q = cast_with_scale(local, scale, s)
@@ -125,17 +125,18 @@ class Float8AllGatherWeight(torch.Tensor):
         fp8 = data.view(scheme_for(self._recipe, "weight").dtype)
         return Float8GatheredWeight(fp8, scale_inv, amax, self._recipe, param_dtype), (data,)
 
-    def _name(self, module) -> str:
-        # FSDP names the module, not the parameter: find which (sharded) parameter this shard is.
-        for name, p in module.named_parameters(recurse=False):
-            if p is self or (_is_dtensor(p) and p._local_tensor is self):
-                return name
-        raise RuntimeError("te_func: an FP8 all-gather weight is not a parameter of the module FSDP named")
+
+def _param_name(module, shard) -> str:
+    # FSDP names the module, not the parameter: find which (sharded) parameter this shard is.
+    for name, p in module.named_parameters(recurse=False):
+        if p is shard or (_is_dtensor(p) and p._local_tensor is shard):
+            return name
+    raise RuntimeError("te_func: an FP8 all-gather weight is not a parameter of the module FSDP named")
 
 
-def _delayed_scale(recipe, module, name: str):
-    """The scale this step's cast of `module.name` uses under DelayedScaling, as te_func's
-    GEMM will compute it from the workspaces of the running call; None outside a call."""
+def _delayed_scale(recipe, module, shard):
+    """The scale this step's cast of `shard` (a parameter of `module`) uses under DelayedScaling,
+    as te_func's GEMM will compute it from the workspaces of the running call; None outside a call."""
     if not isinstance(recipe, DelayedScaling):
         return None
     frame = current_frame()
@@ -147,6 +148,7 @@ def _delayed_scale(recipe, module, name: str):
                          f"runs with {frame.recipe!r}: enable FP8 all-gather with the recipe you train with")
     path, names = owner
     prefix = f"{path}." if path else ""
+    name = _param_name(module, shard)
     value = lambda key: frame.updates.get(prefix + key, frame.workspaces[prefix + key])  # noqa: E731
     state = DelayedState(value(f"{name}_amax_history").detach(), value(f"{name}_scale").detach())
     # As the layer will decide it (te_func.functional._gemm.starts_step, te_func.nn.context.bind), with

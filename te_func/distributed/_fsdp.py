@@ -72,7 +72,7 @@ def _check_spec(name: str, spec):
 def _full(weight: torch.Tensor) -> torch.Tensor:
     """The whole value of an FSDP-sharded DTensor, as a plain tensor."""
     spec = weight._spec
-    local = weight._local_tensor
+    local = weight.to_local()
     local = getattr(local, "_tensor", local)          # an FP8 all-gather weight's high-precision values
     return _all_gather_rows(local.detach(), spec.shape[0], spec.mesh.get_group())
 
