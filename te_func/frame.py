@@ -148,7 +148,7 @@ def _entry_problems(model, ws, recipe, owners: dict):
     under `recipe`; fills `owners` with {id(module): (path, entry names)}."""
     expected = {RECIPE_KEY}
     for path, m, spec in _layer_specs(model, recipe):
-        owners[id(m)] = (path, tuple(spec))
+        owners[id(m)] = (path, tuple(spec), tuple(k for k, e in spec.items() if e.backward))
         # A model on "meta" (the usual base of a vmapped ensemble) says nothing about devices.
         device = next((p.device for p in m.parameters() if p.device.type != "meta"), None)
         for name, (shape, dtype, _) in spec.items():
@@ -178,7 +178,7 @@ def validate_workspaces(model, ws, recipe):
     shape, dtype and device, no other, and was made for `recipe`; raise an error naming
     what does not fit (the recipe first, then the first entry).
 
-    Returns {id(module): (its path, its entry names)} for the frame.
+    Returns {id(module): (its path, its entry names, those updated in backward)} for the frame.
     """
     if not isinstance(ws, dict):
         raise TypeError(f"workspaces must be the dict from tef.init_workspaces(model, recipe), got {type(ws).__name__}")
@@ -213,7 +213,7 @@ def _model_lock(model: nn.Module):
 
 
 def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *, recipe,
-                    is_first_microbatch: bool | None = None, amax_group=None):
+                    is_first_microbatch: bool | None = None, amax_group=None, _watch=None):
     """Run `model` with `params` (as torch.func.functional_call takes them) and
     workspaces `ws`. Returns `(out, new_ws)`; nothing passed in is mutated.
 
@@ -227,6 +227,9 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
     group when torch.distributed is initialized). Under FSDP, `params` may be the
     sharded parameters (docs/distributed.md).
     """
+    if recipe is not None and not _te_modules(model):
+        raise ValueError(f"tef.functional_call: the model ({type(model).__name__}) has no te_func layers, so "
+                         f"recipe={type(recipe).__name__} would change nothing; convert it first: tef.convert(model)")
     owners = validate_workspaces(model, ws, recipe)
     group = distributed.amax_reduction_group(recipe, amax_group)
     scope = current_grad_scope()
@@ -236,7 +239,8 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
         scope.backward_keys.update(backward)
         scope.amax_groups.update(dict.fromkeys(backward, group))
     args = args if isinstance(args, tuple) else (args,)
-    frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"))
+    frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"),
+                  update_state=torch.is_grad_enabled(), watch=_watch)
     with _model_lock(model), push(frame), distributed.gathered_params(model, params) as params:
         out = torch.func.functional_call(model, params, args, kwargs or {})
     new_ws = {**ws, **frame.updates}

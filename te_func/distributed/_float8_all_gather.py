@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from ..functional._gemm import starts_step
 from ..nn import TEModule
 from ..nn.context import current_frame
 from ..quant import (DelayedState, Quantized, WeightCast, delayed_update, dequantize, scale_from_amax, scheme_for,
@@ -146,15 +147,16 @@ def _delayed_scale(recipe, module, shard):
     if frame.recipe != recipe:
         raise ValueError(f"{type(module).__name__}'s weights are all-gathered in FP8 for {recipe!r}, but the model "
                          f"runs with {frame.recipe!r}: enable FP8 all-gather with the recipe you train with")
-    path, names = owner
+    path, names, _ = owner
     prefix = f"{path}." if path else ""
     name = _param_name(module, shard)
     value = lambda key: frame.updates.get(prefix + key, frame.workspaces[prefix + key])  # noqa: E731
     state = DelayedState(value(f"{name}_amax_history").detach(), value(f"{name}_scale").detach())
-    # As the layer will decide it (te_func.functional._gemm.starts_step, te_func.nn.context.bind), with
-    # the call's grad mode: FSDP all-gathers under no_grad. A layer called again runs as a later microbatch.
+    # As the layer will decide it (te_func.nn.context.bind), with the frame's update_state rather
+    # than the grad mode now: FSDP all-gathers under no_grad. A layer called again runs as a later
+    # microbatch.
     again = any(prefix + n in frame.updates for n in names)
-    start = frame.is_first_microbatch is not False and frame.grad_enabled and not again
+    start = not again and starts_step(frame.is_first_microbatch, frame.update_state)
     return delayed_update(state, recipe, "weight").scale if start else state.scale
 
 

@@ -19,13 +19,14 @@ from ._common import needs_weight_grad
 __all__ = ["GemmStep", "starts_step"]
 
 
-def starts_step(is_first_microbatch: bool | None) -> bool:
+def starts_step(is_first_microbatch: bool | None, update_state: bool | None = None) -> bool:
     """A call with is_first_microbatch True or None begins a step: DelayedScaling's scales
     update and its histories roll. Later microbatches (False) quantize with the same
     scales and add their amaxes to the current slot by max. As in TE, nothing updates
     while grad is disabled: an evaluation under no_grad records its amaxes and leaves
-    the scales as they are."""
-    return is_first_microbatch is not False and torch.is_grad_enabled()
+    the scales as they are. `update_state` says so explicitly (None: the grad mode now)."""
+    update = torch.is_grad_enabled() if update_state is None else update_state
+    return is_first_microbatch is not False and update
 
 
 def _step_state(state: DelayedState, recipe, role: str, start: bool) -> DelayedState:
@@ -45,12 +46,12 @@ class GemmStep:
 
     @classmethod
     def begin(cls, gemm: Gemm, weight: torch.Tensor, recipe, workspace: dict, is_first_microbatch,
-              prefix: str = "") -> "GemmStep":
+              update_state: bool | None = None, prefix: str = "") -> "GemmStep":
         gw = gemm.read(workspace, recipe)
         sink = None
         if isinstance(recipe, DelayedScaling):
             sink = gw.grad.amax_history
-            start = starts_step(is_first_microbatch)
+            start = starts_step(is_first_microbatch, update_state)
             gw = gw._replace(**{role: _step_state(getattr(gw, role), recipe, role, start)
                                 for role in ("input", "weight", "grad")})
         cfg = GemmConfig.of(recipe, save_input=needs_weight_grad(weight))
@@ -64,5 +65,5 @@ class GemmStep:
 
     def entries(self, outputs: dict) -> dict:
         """The op-local workspace entries this call leaves, from the op's outputs."""
-        gw = self.state._replace(input=self.slot.new_input_state(outputs, self.state.input))
-        return self.gemm.write(gw, self.recipe)
+        x_state, g_state = self.slot.new_states(outputs, self.state.input, self.state.grad)
+        return self.gemm.write(self.state._replace(input=x_state, grad=g_state), self.recipe)

@@ -21,27 +21,38 @@ class TEModule(nn.Module):
         """The layer's FP8 GEMMs, as its functional op declares them."""
         return ()
 
+    def gemm_weight(self, name: str, value: torch.Tensor | None = None) -> torch.Tensor:
+        """The GEMM weight `name` as the GEMM reads it, (out_features, in_features); of `value`
+        (a value of that parameter, e.g. FSDP's gathered one) rather than the parameter if given."""
+        return getattr(self, name) if value is None else value
+
     def workspace_spec(self, recipe) -> dict[str, Entry]:
         """Entry name -> Entry (shape, dtype, updated in backward) of every entry this layer needs."""
         spec = {}
         for g in self.gemms():
-            spec.update(g.entries(getattr(self, g.weight).shape, recipe))
+            spec.update(g.entries(self.gemm_weight(g.weight).shape, recipe))
         return spec
 
     def init_workspace(self, recipe, weights: dict | None = None) -> dict[str, torch.Tensor]:
         """Fresh entries: casts of the current weights, initial DelayedScaling states.
 
-        weights: GEMM weight name -> the tensor to cast instead of the parameter (the frame
-        passes the gathered weight of a parameter FSDP keeps sharded).
+        weights: GEMM weight name -> the parameter's value to cast instead of the parameter (the
+        frame passes the gathered weight of a parameter FSDP keeps sharded).
         """
         entries = {}
         for g in self.gemms():
-            weight = (weights or {}).get(g.weight, getattr(self, g.weight))
+            weight = self.gemm_weight(g.weight, (weights or {}).get(g.weight))
             entries.update(g.write(g.init(weight, recipe), recipe))
         return entries
 
-    def _bind(self, is_first_microbatch):
-        return context.bind(self, type(self).__name__, is_first_microbatch)
+    def _run(self, op, *args, is_first_microbatch=None, **kwargs):
+        """Run the functional `op` on `args` with what this module's frame gives it (recipe,
+        workspace entries, is_first_microbatch), and hand its new entries back."""
+        b = context.bind(self, type(self).__name__, is_first_microbatch)
+        out, new_workspace = op(*args, recipe=b.recipe, workspace=b.workspace,
+                                is_first_microbatch=b.is_first_microbatch, update_state=b.update_state, **kwargs)
+        b.commit(new_workspace)
+        return out
 
 
 def make_param(shape, dtype, device, init=None) -> nn.Parameter:

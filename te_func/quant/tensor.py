@@ -69,9 +69,24 @@ def _blocked(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
         raise ValueError(f"block scaling needs a 2-D tensor, got shape {tuple(x.shape)}")
     (rows, cols), (br, bc) = x.shape, block
     pr, pc = -rows % br, -cols % bc
-    if pr or pc:
+    if _may_be_nonzero(pr) or _may_be_nonzero(pc):
         x = torch.nn.functional.pad(x, (0, pc, 0, pr))
     return x.reshape((rows + pr) // br, br, (cols + pc) // bc, bc)
+
+
+def _may_be_nonzero(n) -> bool:
+    # A size torch.compile keeps symbolic (a routed group's token count) is not branched
+    # on: a branch would guard on its value and recompile for every new routing.
+    return not isinstance(n, int) or n != 0
+
+
+def amax_of(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as fp32 (), NaN skipped, 0 for an empty x (a group that got no tokens)."""
+    a = abs_skipping_nan(x)
+    if isinstance(x.numel(), int):
+        return torch.amax(a) if x.numel() else a.new_zeros(())
+    # Symbolic size, possibly 0: one zero more is the reduction's identity (inductor fuses the pad).
+    return torch.nn.functional.pad(a.reshape(1, -1), (0, 1)).amax()
 
 
 def _expand(per_block: torch.Tensor, block: tuple[int, int], shape) -> torch.Tensor:
@@ -122,7 +137,7 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state: DelayedState | None = Non
         fused = _fused_cast(x, s, state, with_transpose=False)
         if fused is not None:
             return fused[0], fused[2]
-        amax = torch.amax(abs_skipping_nan(x)) if x.numel() else torch.zeros((), device=x.device)
+        amax = amax_of(x)
         if s.rule == "delayed":
             scale, new_state = state.scale, record_amax(state, amax)
         else:
