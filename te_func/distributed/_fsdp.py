@@ -140,6 +140,10 @@ class _GatherShards:
     differentiable = ("full",)
     saved = ()
 
+    @property
+    def carried(self):
+        return {}
+
     def forward(self, t):
         return {"full": _all_gather_rows(t["local"], self.rows, self.group)}
 
