@@ -97,27 +97,6 @@ def convertible(module: nn.Module, fqn: str) -> bool:
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
-def to_te_func(model: nn.Module, module_filter_fn=convertible) -> nn.Module:
-    """Every nn.Linear that `module_filter_fn(module, fqn)` accepts replaced, in place, by a
-    te_func Linear holding the same values (tef.convert where this te_func has it)."""
-    import te_func as tef
-    if hasattr(tef, "convert"):
-        return tef.convert(model, module_filter_fn=module_filter_fn)
-    for fqn, module in list(model.named_modules()):
-        for name, child in list(module.named_children()):
-            child_fqn = f"{fqn}.{name}" if fqn else name
-            if not module_filter_fn(child, child_fqn):
-                continue
-            te = tef.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                               params_dtype=child.weight.dtype, device=child.weight.device)
-            with torch.no_grad():
-                te.weight.copy_(child.weight)
-                if child.bias is not None:
-                    te.bias.copy_(child.bias)
-            setattr(module, name, te)
-    return model
-
-
 def result_line(variant: Variant, args, world: int, step_seconds: list[float], peak_bytes: int) -> dict:
     """The JSON record of one variant: tokens/s per GPU from the median step, peak GiB on the busiest GPU."""
     median = statistics.median(step_seconds)
@@ -152,7 +131,7 @@ def build(variant: Variant, args, device):
                                    module_filter_fn=convertible)
         after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
     elif variant.kind == "te":
-        to_te_func(model)
+        tef.convert(model, module_filter_fn=convertible)
         if variant.fp8_all_gather:
             tef.distributed.enable_fsdp_float8_all_gather(model, _recipe(variant.recipe))
     for layer in model.model.layers:

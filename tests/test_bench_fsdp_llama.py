@@ -33,7 +33,7 @@ def test_llama_config_follows_the_arguments():
     assert kwargs["max_position_embeddings"] == 128
 
 
-def test_linear_layers_become_te_func_layers_with_the_same_values():
+def test_the_filter_converts_linear_layers_but_the_head_and_odd_sizes():
     class Tiny(nn.Module):
         def __init__(self):
             super().__init__()
@@ -48,7 +48,7 @@ def test_linear_layers_become_te_func_layers_with_the_same_values():
     model = Tiny()
     x = torch.randn(4, 32)
     before = model(x)
-    bench.to_te_func(model)
+    tef.convert(model, module_filter_fn=bench.convertible)
     assert isinstance(model.up, tef.nn.Linear) and isinstance(model.block[0], tef.nn.Linear)
     assert model.block[0].bias is None
     assert type(model.odd) is nn.Linear and type(model.lm_head) is nn.Linear

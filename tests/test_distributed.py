@@ -261,6 +261,11 @@ def test_fp8_all_gather_refuses_what_it_cannot_do():
         make_cast(gathered, scheme_for(RECIPES["delayed"], "weight"))
     carried, _ = make_cast(gathered, scheme_for(RECIPES["current"], "weight"))
     assert torch.equal(H.bits(carried.columnwise.data), H.bits(cast.columnwise.data))
+    # a TransposedLinear (GPT-2's Conv1D) reads weight.t(): the cast of the transposed weight
+    cast_t, _ = make_cast(w.t(), scheme_for(RECIPES["current"], "weight"))
+    carried_t, _ = make_cast(gathered.t(), scheme_for(RECIPES["current"], "weight"))
+    assert torch.equal(H.bits(carried_t.rowwise.data), H.bits(cast_t.rowwise.data))
+    assert torch.equal(H.bits(carried_t.columnwise.data), H.bits(cast_t.columnwise.data))
 
 
 # --- amax reduction ---------------------------------------------------------------------------

@@ -190,7 +190,8 @@ class Float8GatheredWeight(CarriedCast):
                              f"{s}: run the model with the recipe FP8 all-gather was enabled for")
         # A copy: the gathered bytes live in FSDP's all-gather buffer, which FSDP frees and
         # refills, while the cast stays in the workspaces (the cache of later microbatches).
-        q = Quantized(self._data.clone(), self._scale_inv.clone())
+        # Row-major: a TransposedLinear's weight arrives as a transposed view.
+        q = Quantized(self._data.clone(memory_format=torch.contiguous_format), self._scale_inv.clone())
         return WeightCast(q, transpose(q)), None if state is None else record_amax(state, self._amax)
 
     @classmethod
@@ -199,7 +200,10 @@ class Float8GatheredWeight(CarriedCast):
         w = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
         if func in (_aten.detach.default, _aten.alias.default):
             return cls(w._data, w._scale_inv, w._amax, w._recipe, w.dtype)
-        if func in (_aten.as_strided.default, _aten.view.default):    # FSDP trims the gathered padding
+        # FSDP trims the gathered padding (as_strided, view); a TransposedLinear (GPT-2's Conv1D,
+        # weight stored (in, out)) reads weight.t(): a tensor-wise cast is elementwise, so the
+        # transposed bytes are the cast of the transposed weight.
+        if func in (_aten.as_strided.default, _aten.view.default, _aten.t.default, _aten.transpose.int):
             data = func(w._data, *args[1:], **kwargs)
             return cls(data, w._scale_inv, w._amax, w._recipe, w.dtype)
         if func in (_aten.empty_like.default, _aten.zeros_like.default):  # a gradient buffer
