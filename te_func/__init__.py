@@ -10,6 +10,8 @@ The package's layers, each importing only those below it:
     vmapped.py   per-sample gradients and ensembles: vmap with workspaces folded, stacked, unstacked
     convert.py   convert: a torch model's layers swapped for te_func's, every tensor kept
     frame.py     functional_call, init_workspaces, autocast, grad: workspace entries by module path
+    distributed/ torch.distributed: FSDP2's weights, FP8 all-gather, amax reduction, tensor parallelism,
+                 checkpoints
     nn/          modules: parameter holders with TE's names; forward calls one functional op
     functional/  per-op functions: tensors and an op-local workspace dict in, (out, new workspace) out
     ops/         the layers' math behind one autograd boundary: tensors in and out by name
@@ -24,7 +26,7 @@ the same outputs; compiled results equal eager ones; a workspace made for
 another recipe, or with entries another model's layers would have, is refused
 with an error naming the entry.
 """
-from . import functional, nn, quant, recipe
+from . import distributed, functional, nn, quant, recipe
 from .convert import convert, fp8_pays
 from .frame import (autocast, functional_call, grad, init_workspaces, upgrade_workspaces, validate_workspaces,
                     value_and_grad, workspace_spec)
@@ -33,7 +35,7 @@ from .shell import Stateful
 from .vmapped import (fold_workspaces, per_sample_grad, per_sample_value_and_grad, stack_module_state,
                       stack_workspaces, unstack_module_state, unstack_workspaces)
 
-__all__ = ["functional", "nn", "quant", "recipe", "convert", "fp8_pays", "autocast", "functional_call", "grad",
+__all__ = ["distributed", "functional", "nn", "quant", "recipe", "convert", "fp8_pays", "autocast", "functional_call", "grad",
            "init_workspaces", "value_and_grad", "workspace_spec", "validate_workspaces",
            "upgrade_workspaces", "Stateful", "set_check_finite", "per_sample_grad",
            "per_sample_value_and_grad", "fold_workspaces", "stack_workspaces", "unstack_workspaces",

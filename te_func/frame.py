@@ -13,6 +13,7 @@ import weakref
 import torch
 from torch import nn
 
+from . import distributed
 from .functional._common import first_microbatch
 from .nn import TEModule
 from .nn.context import CallScope, Frame, open_call_scopes, push, push_call_scope
@@ -83,9 +84,13 @@ def init_workspaces(model: nn.Module, recipe) -> dict[str, torch.Tensor]:
     otherwise be copied into the graph's buffers on every replay.
     """
     _check_recipe(recipe)
+    units = distributed.fsdp_units(model)
+    distributed.check_layouts(model, recipe, units)
     ws = {}
     for path, m in _te_modules(model):
-        ws.update({_prefix(path) + k: v for k, v in m.init_workspace(recipe).items()})
+        # FSDP-sharded weights are cast whole, as one process casts them (collective: every rank calls this).
+        weights = distributed.cast_sources(path, m, units)
+        ws.update({_prefix(path) + k: v for k, v in m.init_workspace(recipe, weights).items()})
     ws[RECIPE_KEY] = fingerprint_entry(recipe, _device_of(model))
     mark_static(ws.values())
     return ws
@@ -249,7 +254,7 @@ def _model_lock(model: nn.Module):
 
 
 def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *, recipe,
-                    is_first_microbatch: bool | None = None, _watch=None):
+                    is_first_microbatch: bool | None = None, amax_group=None, _watch=None):
     """Run `model` with `params` (as torch.func.functional_call takes them) and
     workspaces `ws`. Returns `(out, new_ws)`; nothing passed in is mutated.
 
@@ -257,24 +262,37 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
     in new_ws (None never reads them); False reuses a valid stored cast, else
     quantizes and stores. A layer called again within the call runs as False.
     A layer's own `is_first_microbatch=` argument, when given, wins.
+
+    amax_group: under DelayedScaling(reduce_amax=True), the ranks this call's amaxes
+    are all-reduced over (te_func.distributed.amax_reduction_group: None is the default
+    group when torch.distributed is initialized). Under FSDP, `params` may be the
+    sharded parameters (docs/distributed.md).
     """
     if recipe is not None and not _te_modules(model):
         raise ValueError(f"tef.functional_call: the model ({type(model).__name__}) has no te_func layers, so "
                          f"recipe={type(recipe).__name__} would change nothing; convert it first: tef.convert(model)")
     owners = validate_workspaces(model, ws, recipe)
+    group = distributed.amax_reduction_group(recipe, amax_group)
     scopes = open_call_scopes()
-    if scopes:   # what tef.grad merges and te_func.vmapped folds
+    spec = workspace_spec(model, recipe) if scopes or group is not None else {}
+    if scopes:   # what tef.grad merges (and all-reduces over `group`) and te_func.vmapped folds
         batch_spec = batch_scope_spec(model, recipe)
-        spec = {**workspace_spec(model, recipe), **{k: e for k, e in batch_spec.items() if k in ws}}
+        spec = {**spec, **{k: e for k, e in batch_spec.items() if k in ws}}
+        backward = [k for k, e in spec.items() if e.backward]
         for scope in scopes:
             scope.spec.update(spec)
             scope.batch_spec.update(batch_spec)
+            scope.amax_groups.update(dict.fromkeys(backward, group))
     args = args if isinstance(args, tuple) else (args,)
     frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"),
                   update_state=torch.is_grad_enabled(), watch=_watch)
-    with _model_lock(model), push(frame):
+    with _model_lock(model), push(frame), distributed.gathered_params(model, params) as params:
         out = torch.func.functional_call(model, params, args, kwargs or {})
-    return out, {**ws, **frame.updates}
+    new_ws = {**ws, **frame.updates}
+    if group is not None:   # the forward's amaxes (input and weight roles), as TE reduces them after a forward
+        forward = {k: new_ws[k] for k, e in spec.items() if e.kind == "amax_history" and not e.backward}
+        new_ws.update(distributed.reduce_amax_slots(forward, group))
+    return out, new_ws
 
 
 @contextlib.contextmanager
@@ -317,6 +335,9 @@ def _grad_and_value(fn, argnums, fn_name, args, kwargs):
     # the calls declare (te_func.quant.workspace.Entry.backward) into new_ws.
     state = {k: v for k, v in args[1].items() if _carries_state(v)}
     scope = CallScope()
+    # FSDP-sharded (DTensor) parameters: gathered before, gradients reduce-scattered after
+    # (te_func.distributed._fsdp).
+    args, shard_specs = distributed.gathered_for_grad(args, nums)
 
     def with_state(*a, **k):
         # Not `*user, st = a`: dynamo in torch 2.11 traces that starred target as a tuple and
@@ -330,8 +351,21 @@ def _grad_and_value(fn, argnums, fn_name, args, kwargs):
             *args, state, **kwargs)
     *grads, state_grads = grads
     grads = grads[0] if isinstance(argnums, int) else tuple(grads)
-    return grads, loss, merge_backward_state(new_ws, {k: state_grads[k] for k in scope.backward_keys
-                                                      if k in state_grads})
+    grads = distributed.scattered_grads(grads, argnums, shard_specs)
+    backward = {k: state_grads[k] for k in scope.backward_keys if k in state_grads}
+    return grads, loss, merge_backward_state(new_ws, _reduce_backward_amaxes(backward, scope.amax_groups))
+
+
+def _reduce_backward_amaxes(state_grads: dict, groups: dict) -> dict:
+    """The backward amaxes (slot 0 of each grad history's "gradient") all-reduced over the group
+    each entry's call chose, one all-reduce per group, as TE reduces them after a backward."""
+    by_group = {}
+    for k, g in state_grads.items():
+        if groups.get(k) is not None:
+            by_group.setdefault(groups[k], {})[k] = g
+    for group, entries in by_group.items():
+        state_grads = {**state_grads, **distributed.reduce_amax_slots(entries, group)}
+    return state_grads
 
 
 def merge_backward_state(new_ws: dict, state_grads: dict) -> dict:

@@ -12,6 +12,7 @@ import weakref
 import torch
 from torch import nn
 
+from . import distributed
 from .frame import (backward_keys, functional_call, init_workspaces, mark_static, upgrade_workspaces,
                     validate_workspaces)
 from .nn import TEModule
@@ -26,9 +27,32 @@ def _absorb(shell_ref, key: str, amax: torch.Tensor):
     """Merge a backward amax ((L,), zero but for slot 0) into the shell's history `key` by max.
     The shell is held weakly: a dropped shell is freed, however many graphs saw it."""
     shell = shell_ref()
-    if shell is not None and key in shell.workspaces:
+    if shell is None or key not in shell.workspaces:
+        return
+    amax = amax.detach().to(shell.workspaces[key].device)
+    if shell._amax_reduction is None:
         ws = shell.workspaces
-        shell.workspaces = {**ws, key: torch.maximum(ws[key], amax.detach().to(ws[key].device))}
+        shell.workspaces = {**ws, key: torch.maximum(ws[key], amax)}
+        return
+    # Under amax reduction: all-reduced once this backward is over, every entry in one
+    # collective, as TE reduces after a backward.
+    if not shell._pending_amaxes:
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_absorb_reduced, shell_ref))
+    pending = shell._pending_amaxes
+    pending[key] = torch.maximum(pending[key], amax) if key in pending else amax
+
+
+def _absorb_reduced(shell_ref):
+    shell = shell_ref()
+    if shell is None:
+        return
+    pending, shell._pending_amaxes = shell._pending_amaxes, {}
+    ws = shell.workspaces
+    # Every rank reduces every grad history (zeros where its backward recorded nothing), so
+    # the collective is the same on all ranks.
+    amaxes = {k: pending.get(k, torch.zeros_like(ws[k])) for k in shell._backward_keys}
+    reduced = distributed.reduce_amax_slots(amaxes, shell._amax_reduction)
+    shell.workspaces = {**ws, **{k: torch.maximum(ws[k], v) for k, v in reduced.items()}}
 
 
 def _absorb_sink(shell_ref, key: str, sink: torch.Tensor):
@@ -67,9 +91,13 @@ class Stateful(nn.Module):
     Under DelayedScaling, backward records the grad-output amaxes into
     `shell.workspaces`, merged by max into the current step's slot: through
     `loss.backward()`, `backward(inputs=...)` and `torch.autograd.grad` alike.
+
+    amax_group: with DelayedScaling(reduce_amax=True) under torch.distributed, the ranks
+    whose amaxes are all-reduced, after each forward and each backward (None: the default
+    group; see te_func.distributed.amax_reduction_group).
     """
 
-    def __init__(self, model: nn.Module, recipe):
+    def __init__(self, model: nn.Module, recipe, *, amax_group=None):
         super().__init__()
         if recipe is not None and not any(isinstance(m, TEModule) for m in model.modules()):
             raise ValueError(f"tef.Stateful: {type(model).__name__} has no te_func layers, so recipe="
@@ -77,6 +105,9 @@ class Stateful(nn.Module):
                              f"tef.Stateful(tef.convert(model), recipe)")
         self.model = model
         self.recipe = recipe
+        self.amax_group = amax_group
+        self._amax_reduction = distributed.amax_reduction_group(recipe, amax_group)
+        self._pending_amaxes = {}      # backward amaxes waiting for the all-reduce at the end of a backward
         self._pending_load = None
         self._set_workspaces(init_workspaces(model, recipe))
         self.register_load_state_dict_post_hook(_after_load)
@@ -130,7 +161,8 @@ class Stateful(nn.Module):
                 ws = {**ws, **{k: ws[k].detach().requires_grad_() for k in self._backward_keys}}
                 watch = self._watcher()
         out, new_ws = functional_call(self.model, params, ws, args, kwargs, recipe=self.recipe,
-                                      is_first_microbatch=is_first_microbatch, _watch=watch)
+                                      is_first_microbatch=is_first_microbatch, amax_group=self.amax_group,
+                                      _watch=watch)
         self.workspaces = {**new_ws, **{k: new_ws[k].detach() for k in self._backward_keys}}
         return out
 
@@ -205,4 +237,4 @@ class Stateful(nn.Module):
         self._make_sinks()
 
     def extra_repr(self) -> str:
-        return f"recipe={self.recipe!r}"
+        return f"recipe={self.recipe!r}" + ("" if self.amax_group is None else f", amax_group={self.amax_group!r}")

@@ -19,7 +19,8 @@ from torch._C import _functorch
 
 from ..recipe import DelayedScaling
 
-__all__ = ["Frame", "CallScope", "Binding", "push", "bind", "push_call_scope", "open_call_scopes", "transform_level"]
+__all__ = ["Frame", "CallScope", "Binding", "push", "bind", "push_call_scope", "open_call_scopes", "current_frame",
+           "transform_level"]
 
 
 class _Stacks(threading.local):
@@ -71,6 +72,8 @@ class CallScope:
     functional_call inside, in every open scope, adds what its model's workspaces hold."""
     spec: dict = field(default_factory=dict)          # key -> Entry of every entry the calls read
     batch_spec: dict = field(default_factory=dict)    # key -> Entry of the batch-scope entries they could read
+    # backward entry -> the group its amaxes are all-reduced over (te_func.distributed)
+    amax_groups: dict = field(default_factory=dict)
 
     @property
     def backward_keys(self) -> set:
@@ -103,6 +106,12 @@ def push_call_scope(scope: CallScope):
 
 def open_call_scopes() -> list[CallScope]:
     return list(_stack("call_scopes"))
+
+
+def current_frame() -> Frame | None:
+    """The innermost frame of this thread, or None outside any."""
+    stack = _stack("frames")
+    return stack[-1] if stack else None
 
 
 class Binding(NamedTuple):

@@ -56,8 +56,8 @@ class TransposedLinear(Linear):
                          return_bias=return_bias)
         self.weight = make_param((in_features, out_features), params_dtype, device, te_init())
 
-    def gemm_weight(self, name: str) -> torch.Tensor:
-        return getattr(self, name).t()                      # (out_features, in_features), a view
+    def gemm_weight(self, name: str, value: torch.Tensor | None = None) -> torch.Tensor:
+        return super().gemm_weight(name, value).t()         # (out_features, in_features), a view
 
     def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None):
         bias = None if self.return_bias else self.bias

@@ -21,9 +21,10 @@ class TEModule(nn.Module):
         """The layer's FP8 GEMMs, as its functional op declares them."""
         return ()
 
-    def gemm_weight(self, name: str) -> torch.Tensor:
-        """The GEMM weight `name` as the GEMM reads it, (out_features, in_features)."""
-        return getattr(self, name)
+    def gemm_weight(self, name: str, value: torch.Tensor | None = None) -> torch.Tensor:
+        """The GEMM weight `name` as the GEMM reads it, (out_features, in_features); of `value`
+        (a value of that parameter, e.g. FSDP's gathered one) rather than the parameter if given."""
+        return getattr(self, name) if value is None else value
 
     def workspace_spec(self, recipe) -> dict[str, Entry]:
         """Entry name -> Entry (shape, dtype, updated in backward) of every entry this layer needs."""
@@ -36,11 +37,16 @@ class TEModule(nn.Module):
         """The entries a call in batch scope adds (te_func.quant.workspace's batch amaxes)."""
         return {k: e for g in self.gemms() for k, e in g.batch_entries(recipe).items()}
 
-    def init_workspace(self, recipe) -> dict[str, torch.Tensor]:
-        """Fresh entries: casts of the current weights, initial DelayedScaling states."""
+    def init_workspace(self, recipe, weights: dict | None = None) -> dict[str, torch.Tensor]:
+        """Fresh entries: casts of the current weights, initial DelayedScaling states.
+
+        weights: GEMM weight name -> the parameter's value to cast instead of the parameter (the
+        frame passes the gathered weight of a parameter FSDP keeps sharded).
+        """
         entries = {}
         for g in self.gemms():
-            entries.update(g.write(g.init(self.gemm_weight(g.weight), recipe), recipe))
+            weight = self.gemm_weight(g.weight, (weights or {}).get(g.weight))
+            entries.update(g.write(g.init(weight, recipe), recipe))
         return entries
 
     def _run(self, op, *args, is_first_microbatch=None, **kwargs):

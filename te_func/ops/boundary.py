@@ -4,7 +4,8 @@ An op is a frozen dataclass holding its static configuration (a constant for
 torch.compile) and its math:
 
     outputs         every tensor `forward` returns, by name
-    differentiable  those of them that receive gradients; the others (new
+    differentiable  those of them that receive gradients (an unused one gets None, but for
+                    the first, which gets zeros); the others (new
                     state, what backward reads) are non-differentiable
     carried         output name -> input name: state whose new value is known only
                     in backward, where it comes back as that input's gradient
@@ -77,6 +78,12 @@ class _Boundary(torch.autograd.Function):
         ctx.sizes = {k: v for k, v in zip(names, values) if isinstance(v, (int, torch.SymInt))}
         ctx.op, ctx.names = op, names
         ctx.dtypes = {k: v.dtype for k, v in zip(names, values) if isinstance(v, torch.Tensor)}
+        # An output nobody used gets None, not zeros that autograd would make as a plain
+        # tensor (wrong beside DTensor gradients under tensor parallelism); only the first
+        # output's gradient, which every op's backward starts from, is filled in.
+        ctx.set_materialize_grads(False)
+        first = outputs[op.differentiable[0]]
+        ctx.first_meta = (first.shape, first.dtype, first.device)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -84,6 +91,10 @@ class _Boundary(torch.autograd.Function):
         saved = {**ctx.sizes, **dict(zip(op.saved, ctx.saved_tensors))}
         need = dict(zip(ctx.names, ctx.needs_input_grad[2:]))
         out_grads = {k: g for k, g in zip(op.outputs, grads) if k in op.differentiable}
+        first = op.differentiable[0]
+        if out_grads[first] is None:
+            shape, dtype, device = ctx.first_meta
+            out_grads[first] = torch.zeros(shape, dtype=dtype, device=device)
         with _no_autocast(grads):
             input_grads = op.backward(saved, out_grads, GradContext(need, ctx.dtypes))
         unknown = [k for k in input_grads if k not in need]

@@ -11,7 +11,7 @@ from ..kernels import tensorwise_cast
 from .scheme import Scheme, e8m0_scale_inv, scale_from_amax, scheme_for
 
 __all__ = ["Quantized", "DelayedState", "BatchAmax", "quantize", "quantize_with_transpose",
-           "quantize_scheme", "dequantize", "transpose"]
+           "quantize_scheme", "dequantize", "transpose", "record_amax", "cast_with_scale"]
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,12 @@ def _expand(per_block: torch.Tensor, block: tuple[int, int], shape) -> torch.Ten
     return per_block.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
 
 
-def _record_amax(state: DelayedState, amax: torch.Tensor) -> DelayedState:
+def record_amax(state: DelayedState, amax: torch.Tensor) -> DelayedState:
     """`state` with amax () recorded in the current step's history slot."""
+    # The amax of a DTensor (a tensor-parallel weight, input or gradient) is a reduction
+    # over its shards: the plain history records its global value, the same on every rank.
+    full_tensor = getattr(amax, "full_tensor", None)
+    amax = amax if full_tensor is None else full_tensor()
     history = state.amax_history
     # Several casts in one step (microbatches) share one slot: keep the largest.
     return DelayedState(torch.cat([torch.maximum(history[:1], amax.reshape(1)), history[1:]]), state.scale)
@@ -137,7 +141,13 @@ def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | No
         return None
     data, data_t, scale_inv, amax = out
     q_t = None if data_t is None else Quantized(data_t, scale_inv)
-    return Quantized(data, scale_inv), q_t, _record_amax(state, amax) if s.rule == "delayed" else None
+    return Quantized(data, scale_inv), q_t, record_amax(state, amax) if s.rule == "delayed" else None
+
+
+def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> Quantized:
+    """The tensor-wise cast of `x` with a given scale () fp32: what `quantize_scheme` does once it
+    has the scale (an FP8 all-gather casts a shard with the scale of the whole tensor)."""
+    return Quantized(_cast(x, scale, s), torch.reciprocal(scale))
 
 
 def quantize_scheme(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | None = None):
@@ -154,14 +164,14 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax 
             return fused[0], fused[2]
         amax = amax_of(x)
         if s.rule == "delayed":
-            scale, new_state = state.scale, _record_amax(state, amax)
+            scale, new_state = state.scale, record_amax(state, amax)
         elif state is not None:     # batch scope: the batch's amax, unless this tensor's is larger
             amax = torch.maximum(state.amax, amax)
             scale = scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale)
             new_state = BatchAmax(amax)
         else:
             scale, new_state = scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale), None
-        return Quantized(_cast(x, scale, s), torch.reciprocal(scale)), new_state
+        return cast_with_scale(x, scale, s), new_state
 
     if state is not None:
         raise ValueError(f"a {s.block} block scheme computes its scales from each block and takes no "

@@ -49,9 +49,9 @@ from .delayed import init_delayed_state
 from .scheme import Scheme, scheme_for
 from .tensor import BatchAmax, DelayedState, Quantized, quantize_with_transpose
 
-__all__ = ["FORMAT_VERSION", "RECIPE_KEY", "RECIPE_ENTRY", "CAST_FIELDS", "KINDS", "Entry", "Gemm", "GemmWorkspace", "WeightCast",
-           "cast_entries", "cast_from_flat", "cast_to_flat", "make_cast", "fingerprint_entry",
-           "ROLES_OF_GEMM"]
+__all__ = ["FORMAT_VERSION", "RECIPE_KEY", "RECIPE_ENTRY", "CAST_FIELDS", "CarriedCast", "KINDS", "Entry", "Gemm",
+           "GemmWorkspace", "WeightCast", "cast_entries", "cast_from_flat", "cast_to_flat", "make_cast",
+           "fingerprint_entry", "ROLES_OF_GEMM"]
 
 # 1: te_func 0.1 (recipe repr and made_by= in key names); 2: this module.
 FORMAT_VERSION = 2
@@ -129,8 +129,18 @@ def cast_from_flat(flat: dict, s: Scheme) -> WeightCast:
     return WeightCast(Quantized(flat["data"], flat["scale_inv"], s.block), Quantized(flat["data_t"], scale_inv_t, s.block))
 
 
+class CarriedCast(torch.Tensor):
+    """A weight that arrives already cast, such as an FP8 all-gather's output (te_func.distributed):
+    a tensor subclass with a method `te_func_weight_cast(s, state) -> (WeightCast, new_state)`,
+    which `make_cast` takes instead of casting. A base class rather than a duck-typed method,
+    because torch.compile traces isinstance checks of tensor subclasses."""
+
+
 def make_cast(weight: torch.Tensor, s: Scheme, state: DelayedState | None = None):
-    """The cast of a 2-D weight, both layouts. Returns (WeightCast, new_state)."""
+    """The cast of a 2-D weight, both layouts (or the one it carries, see CarriedCast).
+    Returns (WeightCast, new_state)."""
+    if isinstance(weight, CarriedCast):
+        return weight.te_func_weight_cast(s, state)
     q, q_t, new_state = quantize_with_transpose(weight, s, state)
     return WeightCast(q, q_t), new_state
 

@@ -1,0 +1,79 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) of a `Stateful` and its optimizer.
+
+    sd = tef.distributed.state_dict(shell, optimizer)
+    torch.distributed.checkpoint.save(sd, checkpoint_id=path)
+    ...                                   # later, on as many ranks as wanted:
+    sd = tef.distributed.state_dict(shell, optimizer)      # the layout to load into
+    torch.distributed.checkpoint.load(sd, checkpoint_id=path)
+    tef.distributed.load_state_dict(shell, optimizer, sd)
+
+The parameters and the optimizer state come from torch's `get_state_dict`
+(keyed by parameter name; DTensor shards under FSDP, resharded on load). The
+workspace entries are plain tensors, the same on every rank (see
+te_func.distributed._amax), saved once. DelayedScaling without amax
+reduction is the exception: each rank's histories are its own, so they are
+saved per rank (stacked along a new leading dim, one row per rank) and load
+only on as many ranks as saved them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..recipe import DelayedScaling
+from ._amax import amax_reduction_group
+
+__all__ = ["state_dict", "load_state_dict"]
+
+_WS = "workspaces."
+
+
+def _per_rank_keys(shell) -> list[str]:
+    """The workspace entries that differ between ranks: DelayedScaling state without reduction."""
+    if not isinstance(shell.recipe, DelayedScaling) or not (dist.is_available() and dist.is_initialized()):
+        return []
+    if dist.get_world_size() == 1 or amax_reduction_group(shell.recipe, shell.amax_group) is not None:
+        return []
+    return [k for k in shell.workspaces if k.endswith(("_amax_history", "_scale"))]
+
+
+def _world_mesh(device: torch.device):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def state_dict(shell, optimizer=None) -> dict:
+    """{"model", "optim" (with an optimizer), "workspaces"} of `shell` (a te_func.Stateful),
+    for torch.distributed.checkpoint.save / load. Collective: call it on every rank."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    if optimizer is None:
+        sd = {"model": get_model_state_dict(shell.model)}
+    else:
+        sd = dict(zip(("model", "optim"), get_state_dict(shell.model, optimizer)))
+    ws = dict(shell.workspaces)
+    per_rank = _per_rank_keys(shell)
+    if per_rank:
+        from torch.distributed.tensor import DTensor, Shard
+        mesh = _world_mesh(next(iter(ws.values())).device)
+        for k in per_rank:
+            ws[k] = DTensor.from_local(ws[k].unsqueeze(0), mesh, [Shard(0)], run_check=False)   # (ranks, ...)
+    sd["workspaces"] = ws
+    return sd
+
+
+def load_state_dict(shell, optimizer, state_dict: dict) -> None:
+    """Restore what `state_dict` holds (after torch.distributed.checkpoint.load into it) into
+    `shell` and `optimizer` (None if it has none)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    if optimizer is None:
+        set_model_state_dict(shell.model, state_dict["model"])
+    else:
+        set_state_dict(shell.model, optimizer, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"])
+    ws = {}
+    for k, v in state_dict["workspaces"].items():
+        if hasattr(v, "to_local"):                        # a per-rank entry: this rank's row
+            v = v.to_local()[0]
+        ws[_WS + k] = v
+    # Workspaces only: Stateful checks them against the model and recipe.
+    shell.load_state_dict(ws, strict=False)
