@@ -13,7 +13,7 @@ import te_func as tef
 import te_func.gemm as gemm_module
 from cases import RECIPES, detached_params, needs_state, sqnr
 from te_func.quant import dequantize, quantize, quantize_with_transpose, scheme_for
-from te_func.recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from te_func.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 pytestmark = pytest.mark.cuda
 
@@ -198,3 +198,38 @@ def test_linear_takes_non_contiguous_inputs_and_gradients_on_cuda(cuda, recipe):
         assert torch.allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
         assert torch.allclose(grads["0.weight"], want["0.weight"], rtol=1e-5, atol=1e-5)
     assert torch.allclose(grads["0.bias"], want["0.bias"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(r, id=rid) for rid, r in RECIPES
+                                    if isinstance(r, (Float8CurrentScaling, DelayedScaling))])
+def test_per_sample_grads_on_cuda(cuda, recipe):
+    """tef.per_sample_grad on the GPU, eager and compiled (inductor). Under vmap every FP8 GEMM
+    is emulated (torch._scaled_mm has no batching rule) while tef.grad of the batch runs the
+    native one, so the batch scope's sum over samples meets the batch gradient to the native
+    GEMM's accumulation (>= 60 dB per GEMM, test_native_gemm_matches_emulation), not to fp32
+    summation order as on the CPU; the sample scope's (own scales) stays at FP8 noise."""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(tef.nn.Linear(256, 512, device=cuda), torch.nn.GELU(),
+                                tef.nn.LayerNormMLP(512, 1024, device=cuda))
+    x, y = torch.randn(8, 64, 256, device=cuda), torch.randn(8, 64, 512, device=cuda)
+
+    def loss_fn(params, ws, x, y):
+        out, new_ws = tef.functional_call(model, params, ws, (x,), recipe=recipe)
+        return ((out - y) ** 2).sum(), new_ws
+
+    params, ws = detached_params(model), tef.init_workspaces(model, recipe)
+    batch, batch_ws = tef.grad(loss_fn)(params, ws, x, y)
+    by_batch, by_batch_ws = tef.per_sample_grad(loss_fn, (0, 0), scope="batch")(params, ws, x, y)
+    by_sample, _ = tef.per_sample_grad(loss_fn, (0, 0), scope="sample")(params, ws, x, y)
+    compiled = torch.compile(tef.per_sample_grad(loss_fn, (0, 0), scope="batch", chunk_size=4), fullgraph=True)
+    got, got_ws = compiled(params, ws, x, y)
+    assert by_batch_ws.keys() == batch_ws.keys() == got_ws.keys()
+    for k in params:
+        assert by_batch[k].shape == (8, *params[k].shape)
+        assert sqnr(batch[k], by_batch[k].sum(0)) >= 40, k
+        assert sqnr(by_batch[k], got[k]) >= 40, k        # inductor reorders fp32 sums
+    if isinstance(recipe, Float8CurrentScaling):        # the scopes differ: own scales are FP8 noise away
+        assert min(sqnr(batch[k], by_sample[k].sum(0)) for k in params if k.endswith("weight")) < 35
+    for k in batch_ws:
+        if k.endswith("amax_history"):
+            assert torch.allclose(by_batch_ws[k], batch_ws[k], rtol=1e-3), k

@@ -2,7 +2,8 @@
 
 Columns: eager module call, tef.functional_call, tef.grad, torch.func.vmap
 (per-sample gradients and a stacked ensemble), tef.per_sample_grad in both
-quantization scopes (chunked and compiled too), torch.compile(fullgraph=True)
+quantization scopes (chunked and compiled too; HuggingFace models take each
+sample as a batch of one), torch.compile(fullgraph=True)
 of a whole train step, and tef.Stateful. Rows come from tests/cases.py, so a
 new layer or recipe joins every column by adding one row there.
 

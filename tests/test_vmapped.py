@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import te_func as tef
-from cases import LAYERS, RECIPES, detached_params
+from cases import LAYERS, RECIPES, bits, detached_params
 from te_func.quant.workspace import KINDS
 from te_func.recipe import DelayedScaling, Float8CurrentScaling
 
@@ -32,8 +32,8 @@ def data(batch=4, tokens=5):
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit (torch.equal has no CPU kernel for the 1-byte float types: their bytes)."""
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else torch.equal(a, b)
+    """Bit for bit, FP8 entries too."""
+    return a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 # --- the format's declarations ------------------------------------------------------------------
@@ -85,11 +85,11 @@ def test_batch_scope_shares_the_batchs_scale_where_sample_scope_does_not():
     x, y = data()
     loud = x.clone()
     loud[0] *= 100
-    for scope, same in (("sample", True), ("batch", False)):
+    for scope, unchanged in (("sample", True), ("batch", False)):
         per_sample = tef.per_sample_grad(sum_loss(model, RECIPE), (0, 0), scope=scope)
         quiet, _ = per_sample(params, ws, x, y)
         mixed, _ = per_sample(params, ws, loud, y)
-        assert torch.equal(quiet["0.weight"][1:], mixed["0.weight"][1:]) == same, scope
+        assert torch.equal(quiet["0.weight"][1:], mixed["0.weight"][1:]) == unchanged, scope
 
 
 def test_per_sample_value_and_grad_returns_each_samples_loss():
@@ -101,6 +101,27 @@ def test_per_sample_value_and_grad_returns_each_samples_loss():
     for i in range(4):
         loss_i, _ = sum_loss(model, RECIPE)(params, ws, x[i], y[i])
         assert torch.equal(losses[i], loss_i)
+
+
+@pytest.mark.parametrize("scope", ["sample", "batch"])
+def test_keepdim_passes_each_sample_as_a_batch_of_one(scope):
+    """keepdim=True: fn sees each sample as (1, tokens, features), as a model that needs its
+    batch dim wants it; a model that takes either shape gives the same gradients and
+    workspaces, bit for bit, as without keepdim."""
+    model = make_model()
+    params, ws = detached_params(model), tef.init_workspaces(model, RECIPE)
+    x, y = data()
+    shapes = []
+
+    def loss_fn(params, ws, x, y):
+        shapes.append(tuple(x.shape))
+        return sum_loss(model, RECIPE)(params, ws, x, y)
+
+    grads, new_ws = tef.per_sample_grad(loss_fn, (0, 0), scope=scope, keepdim=True)(params, ws, x, y)
+    want, want_ws = tef.per_sample_grad(sum_loss(model, RECIPE), (0, 0), scope=scope)(params, ws, x, y)
+    assert (1, 5, 32) in shapes and (5, 32) not in shapes
+    assert all(torch.equal(grads[k], want[k]) for k in want)
+    assert new_ws.keys() == want_ws.keys() and all(same(new_ws[k], want_ws[k]) for k in want_ws)
 
 
 # --- misuse -------------------------------------------------------------------------------------
