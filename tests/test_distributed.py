@@ -23,7 +23,7 @@ from te_func.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScali
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = {"current": Float8CurrentScaling(), "delayed": DelayedScaling(amax_history_len=4),
            "delayed-no-reduction": DelayedScaling(amax_history_len=4, reduce_amax=False),
-           "mxfp8": MXFP8BlockScaling(), "bf16": None}
+           "mxfp8": MXFP8BlockScaling()}
 STEPS, MICRO = 10, 2
 CAST = "0.weight_cast.data"
 
@@ -159,7 +159,7 @@ def test_fsdp_functional_path_trains_as_one_process(rid):
 
 # --- a HuggingFace model converted with tef.convert ---------------------------------------------
 
-HF_STEPS = 4
+HF_STEPS = 3
 
 
 def hf_model(name):
@@ -433,7 +433,7 @@ def _sum_loss(model):
     return loss_fn
 
 
-@pytest.mark.parametrize("rid", ["current", "delayed", "bf16"])
+@pytest.mark.parametrize("rid", ["current", "delayed"])
 def test_tensor_parallel_equals_one_process(rid):
     """ColwiseParallel / RowwiseParallel / LayerNormMLPParallel with sequence parallelism over 2 ranks:
     outputs, gradients and DelayedScaling state as one process's, to fp32 rounding (the row-wise
@@ -513,8 +513,9 @@ def checkpoint_load_single(rank, world, rid, path):
             "optim": {f"{k}.{n}": v.cpu() for k, s in optim.items() for n, v in s.items()}}
 
 
-@pytest.mark.parametrize("rid, fp8_all_gather", [("delayed", False), ("current", True), ("delayed-no-reduction", False)],
-                         ids=["delayed", "current-fp8-all-gather", "delayed-no-reduction"])
+# DelayedScaling with reduction resumes in the 2 -> 1 / 4 test below and in the torchrun example.
+@pytest.mark.parametrize("rid, fp8_all_gather", [("current", True), ("delayed-no-reduction", False)],
+                         ids=["current-fp8-all-gather", "delayed-no-reduction"])
 def test_checkpoint_resume_is_bit_identical(rid, fp8_all_gather, tmp_path):
     """torch.distributed.checkpoint of parameters, optimizer state and workspaces at step 3 on 2
     ranks; a fresh 2-rank run loads it and its steps 3-5 are bit-identical to the uninterrupted run."""
@@ -561,11 +562,11 @@ def torchrun_example(rank, world, args):
     return printed.getvalue()
 
 
-@pytest.mark.parametrize("args", [["--steps", "4"], ["--steps", "4", "--fp8-all-gather"]], ids=["bf16-gather", "fp8-gather"])
-def test_torchrun_example_trains_on_two_ranks(args):
-    """`torchrun --standalone --nproc_per_node 2 examples/fsdp_train.py`, as two ranks started with
-    torchrun's environment: it trains, keeps identical histories and resumes bit-identically."""
-    out, rest = H.run_ranks(torchrun_example, 2, args, torchrun_env=True)
+def test_torchrun_example_trains_on_two_ranks():
+    """`torchrun --standalone --nproc_per_node 2 examples/fsdp_train.py --steps 4 --fp8-all-gather`,
+    as two ranks started with torchrun's environment: it trains, keeps identical histories and
+    resumes bit-identically."""
+    out, rest = H.run_ranks(torchrun_example, 2, ["--steps", "4", "--fp8-all-gather"], torchrun_env=True)
     assert rest == ""                                   # only rank 0 prints
     assert len(re.findall(r"^step \d+ loss \d+\.\d+$", out, re.M)) == 4, out
     assert "histories identical on all ranks: True" in out

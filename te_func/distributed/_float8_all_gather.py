@@ -44,7 +44,7 @@ from ..nn import TEModule
 from ..nn.context import current_frame
 from ..quant import (DelayedState, Quantized, WeightCast, delayed_update, dequantize, scale_from_amax, scheme_for,
                      transpose)
-from ..quant.tensor import abs_skipping_nan, cast_with_scale, record_amax
+from ..quant.tensor import amax_of, cast_with_scale, record_amax
 from ..quant.workspace import CarriedCast
 from ..recipe import DelayedScaling, Float8CurrentScaling
 from ._fsdp import _is_dtensor
@@ -106,7 +106,7 @@ class Float8AllGatherWeight(torch.Tensor):
         s = scheme_for(self._recipe, "weight")
         local = self._tensor                                                   # (rows here, in)
         with torch.no_grad():
-            amax = torch.amax(abs_skipping_nan(local)) if local.numel() else local.new_zeros((), dtype=torch.float32)
+            amax = amax_of(local)      # an empty shard (more ranks than rows) gives 0, of the same dtype
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())   # the whole weight's
             scale = _delayed_scale(self._recipe, module, self)
             if scale is None:
