@@ -122,6 +122,12 @@ def loss_fn(out, y):
     return torch.nn.functional.mse_loss(out.float(), y.float())
 
 
+def mlp_loss(shell, step: int, rank: int, micro: int, first: bool, device="cpu"):
+    """The loss of rank `rank`'s microbatch `micro` at `step` through `shell` (make_model's model)."""
+    x, y = (t.to(device) for t in batch(step, rank, micro))
+    return loss_fn(shell(x, is_first_microbatch=first), y)
+
+
 def shard(model: torch.nn.Module, **kwargs):
     """fully_shard each te_func layer, then the root."""
     from torch.distributed.fsdp import fully_shard
@@ -159,10 +165,10 @@ class Reference:
 
     The same model (a copy), recipe and optimizer as the distributed run."""
 
-    def __init__(self, model, recipe, world: int, micro: int = 1, lr: float = 1e-2, device="cpu"):
+    def __init__(self, model, recipe, world: int, micro: int = 1, lr: float = 1e-2, device="cpu", loss_of=mlp_loss):
         self.shell = tef.Stateful(copy.deepcopy(model).to(device), recipe)
         self.opt = torch.optim.AdamW(self.shell.parameters(), lr=lr)
-        self.world, self.micro, self.device = world, micro, device
+        self.world, self.micro, self.device, self.loss_of = world, micro, device, loss_of
 
     def step(self, step: int) -> list[list[torch.Tensor]]:
         """Run one step; returns its losses [rank][microbatch]."""
@@ -172,8 +178,7 @@ class Reference:
         for m in range(self.micro):
             grads = []
             for r in range(self.world):
-                x, y = (t.to(self.device) for t in batch(step, r, m))
-                loss = loss_fn(self.shell(x, is_first_microbatch=(m == 0 and r == 0)), y)
+                loss = self.loss_of(self.shell, step, r, m, m == 0 and r == 0, self.device)
                 loss.backward()
                 losses[r][m] = loss.detach().cpu()
                 grads.append({k: p.grad for k, p in named.items()})
@@ -196,9 +201,14 @@ class Reference:
         return {k: v.cpu().clone() for k, v in self.shell.workspaces.items()}
 
 
-def reference_run(model, recipe, world: int, steps: int, micro: int = 1, device="cpu"):
+def reference_run(model, recipe, world: int, steps: int, micro: int = 1, device="cpu", loss_of=mlp_loss):
     """(losses[step][rank][micro], final parameters, final workspaces) of `Reference` over `steps`.
     Run it outside the ranks' process group: there DelayedScaling would all-reduce its amaxes."""
-    ref = Reference(model, recipe, world, micro, device=device)
-    losses = [ref.step(s) for s in range(steps)]
+    ref = Reference(model, recipe, world, micro, device=device, loss_of=loss_of)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)      # as every rank runs: CPU kernels may split their sums by thread
+    try:
+        losses = [ref.step(s) for s in range(steps)]
+    finally:
+        torch.set_num_threads(threads)
     return losses, ref.params(), ref.workspaces()

@@ -32,6 +32,8 @@ under another recipe: that raises an error instead of computing with them.
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
@@ -42,7 +44,7 @@ from ..nn import TEModule
 from ..nn.context import current_frame
 from ..quant import (DelayedState, Quantized, WeightCast, delayed_update, dequantize, scale_from_amax, scheme_for,
                      transpose)
-from ..quant.tensor import abs_skipping_nan, cast_with_scale, record_amax
+from ..quant.tensor import amax_of, cast_with_scale, record_amax
 from ..quant.workspace import CarriedCast
 from ..recipe import DelayedScaling, Float8CurrentScaling
 from ._fsdp import _is_dtensor
@@ -104,7 +106,7 @@ class Float8AllGatherWeight(torch.Tensor):
         s = scheme_for(self._recipe, "weight")
         local = self._tensor                                                   # (rows here, in)
         with torch.no_grad():
-            amax = torch.amax(abs_skipping_nan(local)) if local.numel() else local.new_zeros((), dtype=torch.float32)
+            amax = amax_of(local)      # an empty shard (more ranks than rows) gives 0, of the same dtype
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())   # the whole weight's
             scale = _delayed_scale(self._recipe, module, self)
             if scale is None:
@@ -220,7 +222,8 @@ class Float8GatheredWeight(CarriedCast):
 def enable_fsdp_float8_all_gather(model: nn.Module, recipe) -> nn.Module:
     """Make FSDP all-gather every te_func GEMM weight of `model` in FP8 under `recipe`
     (Float8CurrentScaling or DelayedScaling); call it before `fully_shard`. Returns `model`,
-    changed in place: each GEMM weight becomes a Float8AllGatherWeight with the same values."""
+    changed in place: each GEMM weight becomes a Float8AllGatherWeight with the same values,
+    but for a weight tied to another parameter use, which stays as it is."""
     if not isinstance(recipe, (Float8CurrentScaling, DelayedScaling)):
         raise ValueError(f"FP8 all-gather covers the tensor-wise recipes (Float8CurrentScaling, DelayedScaling), got "
                          f"{type(recipe).__name__}: a block-scaled weight's blocks would have to follow FSDP's shard "
@@ -228,11 +231,16 @@ def enable_fsdp_float8_all_gather(model: nn.Module, recipe) -> nn.Module:
     if recipe.backward_override == "high_precision":
         raise ValueError("FP8 all-gather with backward_override='high_precision': the backward would need the "
                          "high-precision weight, which is not gathered; use backward_override=None or 'dequantized'")
+    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for path, m in model.named_modules():
         if not isinstance(m, TEModule):
             continue
         for g in m.gemms():
             p = getattr(m, g.weight)
+            if uses[id(p)] > 1:
+                # A weight another module also reads (GPT-2's lm_head tied to the embedding) needs
+                # its high-precision values there: it stays a plain parameter, gathered as such.
+                continue
             if _is_dtensor(p):
                 raise ValueError(f"enable_fsdp_float8_all_gather: {path}.{g.weight} is already a DTensor; call it "
                                  f"before fully_shard (and tensor parallelism is not covered)")
