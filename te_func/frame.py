@@ -17,12 +17,13 @@ from .functional._common import first_microbatch
 from .nn import TEModule
 from .nn.context import Frame, GradScope, current_grad_scope, push, push_grad_scope
 from .quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, Entry, fingerprint_entry
-from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, fingerprint
+from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling,
+                     fingerprint)
 
 __all__ = ["init_workspaces", "functional_call", "autocast", "grad", "value_and_grad", "workspace_spec",
            "validate_workspaces", "backward_keys", "upgrade_workspaces"]
 
-_RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling)
+_RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling)
 
 
 def _check_recipe(recipe):
@@ -76,7 +77,7 @@ def init_workspaces(model: nn.Module, recipe) -> dict[str, torch.Tensor]:
     _check_recipe(recipe)
     ws = {}
     for path, m in _te_modules(model):
-        ws.update({_prefix(path) + k: v for k, v in m.init_workspace(recipe).items()})
+        ws.update({_prefix(path) + k: v for k, v in m.init_workspace(recipe, path).items()})
     ws[RECIPE_KEY] = fingerprint_entry(recipe, _device_of(model))
     mark_static(ws.values())
     return ws

@@ -4,6 +4,13 @@ Every GEMM layer's function does, per GEMM: read the GEMM's workspace
 (te_func.quant.workspace.Gemm), start a DelayedScaling step when the call
 starts one, cast the weight (or take the cached cast), hand the slot its
 tensors, and turn the slot's outputs into the entries the call leaves.
+
+NVFP4's stochastic rounding happens in backward, but its RNG state moves in
+forward: a call that may be differentiated hands its backward the current
+state and leaves the next one in its entries. So every backward (each
+microbatch's, each use of a shared layer) draws its own numbers, and the new
+state comes back with the forward's workspaces, in tef.grad, Stateful and
+compiled code alike, with nothing to return from backward.
 """
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import GemmConfig, GemmSlot
-from ..quant import DelayedState, Gemm, GemmWorkspace, cast_weight, delayed_update
+from ..quant import DelayedState, Gemm, GemmWorkspace, advance_rng, cast_weight, delayed_update
 from ..recipe import DelayedScaling
 from ._common import needs_weight_grad
 
@@ -42,6 +49,7 @@ class GemmStep:
     slot: GemmSlot
     state: GemmWorkspace           # the cast this call uses, the states it quantizes with
     sink: torch.Tensor | None      # the raw grad history entry (see te_func.ops.gemm_layer)
+    next_rng: torch.Tensor | None = None    # the RNG state the call leaves (NVFP4)
 
     @classmethod
     def begin(cls, gemm: Gemm, weight: torch.Tensor, recipe, workspace: dict, is_first_microbatch,
@@ -56,13 +64,16 @@ class GemmStep:
         cfg = GemmConfig.of(recipe, save_input=needs_weight_grad(weight))
         cast, weight_state, _ = cast_weight(weight, cfg.weight, gw.cast, is_first_microbatch, gw.weight)
         slot = GemmSlot(cfg, gemm.weight, prefix)
-        return cls(gemm, recipe, slot, gw._replace(cast=cast, weight=weight_state), sink)
+        # Only a call whose backward may run moves the stream (as TE draws only when it rounds):
+        # an evaluation under no_grad leaves it where it was.
+        next_rng = advance_rng(gw.rng) if gw.rng is not None and torch.is_grad_enabled() else gw.rng
+        return cls(gemm, recipe, slot, gw._replace(cast=cast, weight=weight_state), sink, next_rng)
 
     def tensors(self) -> dict:
         """The slot's inputs by name."""
-        return self.slot.inputs(self.state.cast, self.state.input, self.state.grad, self.sink)
+        return self.slot.inputs(self.state.cast, self.state.input, self.state.grad, self.sink, self.state.rng)
 
     def entries(self, outputs: dict) -> dict:
         """The op-local workspace entries this call leaves, from the op's outputs."""
-        gw = self.state._replace(input=self.slot.new_input_state(outputs, self.state.input))
+        gw = self.state._replace(input=self.slot.new_input_state(outputs, self.state.input), rng=self.next_rng)
         return self.gemm.write(gw, self.recipe)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._C import _functorch
 
+from ..quant.workspace import keeps_rng
 from ..recipe import DelayedScaling
 
 __all__ = ["Frame", "GradScope", "push", "bind", "current_grad_scope", "transform_level"]
@@ -100,6 +101,13 @@ def bind(module, layer: str, is_first_microbatch: bool | None):
                 f"{layer}: DelayedScaling keeps amax histories and scales between steps, which "
                 f"tef.autocast has nowhere to keep. Run the model through tef.functional_call(model, params, "
                 f"ws, ...) or tef.Stateful(model, recipe), with ws = tef.init_workspaces(model, recipe)")
+        if keeps_rng(frame.recipe) and module.gemms():
+            raise RuntimeError(
+                f"{layer}: NVFP4BlockScaling rounds gradients stochastically, drawing from a random stream "
+                f"per GEMM that tef.autocast has nowhere to keep. Run the model through "
+                f"tef.functional_call(model, params, ws, ...) or tef.Stateful(model, recipe), with ws = "
+                f"tef.init_workspaces(model, recipe), or use NVFP4BlockScaling(disable_stochastic_rounding=True) "
+                f"under tef.autocast")
         return frame.recipe, None, None, _discard
     owner = frame.owners.get(id(module))
     if owner is None:

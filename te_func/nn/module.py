@@ -28,11 +28,12 @@ class TEModule(nn.Module):
             spec.update(g.entries(getattr(self, g.weight).shape, recipe))
         return spec
 
-    def init_workspace(self, recipe) -> dict[str, torch.Tensor]:
-        """Fresh entries: casts of the current weights, initial DelayedScaling states."""
+    def init_workspace(self, recipe, path: str = "") -> dict[str, torch.Tensor]:
+        """Fresh entries: casts of the current weights, initial DelayedScaling states, NVFP4's
+        random streams (seeded by `path`, the layer's module path, and each GEMM's weight name)."""
         entries = {}
         for g in self.gemms():
-            entries.update(g.write(g.init(getattr(self, g.weight), recipe), recipe))
+            entries.update(g.write(g.init(getattr(self, g.weight), recipe, path), recipe))
         return entries
 
     def _bind(self, is_first_microbatch):
