@@ -11,7 +11,9 @@ from typing import Callable
 import torch
 
 import te_func as tef
-from te_func.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from te_func.quant.workspace import keeps_rng
+from te_func.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
+                            NVFP4BlockScaling)
 
 # (id, recipe). None is high precision.
 RECIPES = [
@@ -23,6 +25,8 @@ RECIPES = [
     # TE's backward_override: the backward reads the forward's casts dequantized, or the original tensors
     ("current-bwd-dequantized", Float8CurrentScaling(backward_override="dequantized")),
     ("block-bwd-high-precision", Float8BlockScaling(backward_override="high_precision")),
+    # TE's default NVFP4: 16x16 weight blocks, stochastically rounded gradients, Hadamard-transformed wgrad
+    ("nvfp4", NVFP4BlockScaling()),
 ]
 
 
@@ -69,8 +73,13 @@ LAYERS = [
 
 
 def needs_state(recipe) -> bool:
-    """Whether `recipe` keeps state between steps, so it cannot run under tef.autocast."""
-    return isinstance(recipe, DelayedScaling)
+    """Whether `recipe` keeps state between steps, so it cannot run under tef.autocast: DelayedScaling's
+    amax histories, the random streams of NVFP4's stochastic rounding."""
+    return isinstance(recipe, DelayedScaling) or keeps_rng(recipe)
+
+
+def is_fp4(recipe) -> bool:
+    return isinstance(recipe, NVFP4BlockScaling)
 
 
 def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:

@@ -18,7 +18,7 @@ import torch
 import torch._dynamo.testing
 
 import te_func as tef
-from cases import LAYERS, RECIPES, detached_params, needs_state, sqnr
+from cases import LAYERS, RECIPES, detached_params, is_fp4, needs_state, sqnr
 
 BATCH = 4
 
@@ -162,8 +162,11 @@ def test_grad_equals_eager_backward(case, recipe):
 # seeds (Linear 64->48, 4x8 tokens, torch 2.13 CPU), weight / bias, min (mean), per-sample sum vs
 # batch FP8: current 24.1 (24.5) vs 24.1 (24.6) / 40.2 (42.7); MXFP8 and blockwise 27.8 (28.3) vs
 # 27.8 (28.3) / 41.0 (43.5) dB.
+# NVFP4 (4-bit values; min over 6 seeds, per-sample sum vs batch): Linear 17.6 vs 14.8, LayerNormLinear
+# 12.1 vs 12.4, LayerNormMLP gelu 9.9 vs 9.2, swiglu 8.6 vs 8.6 dB: its floor sits under those.
 PER_SAMPLE_SLACK_DB = 3.0
 PER_SAMPLE_FLOOR_DB = 17.0      # torchao's weight-gradient minimum
+PER_SAMPLE_FLOOR_DB_FP4 = 6.0
 
 
 def _split(inputs, i):
@@ -193,9 +196,10 @@ def test_vmap_per_sample_grads(case, recipe):
         return
     ref, params64, ws64 = float64_reference(s)
     exact, _ = tef.grad(ref.loss_fn)(params64, ws64, ref.inputs, ref.target)
+    floor = PER_SAMPLE_FLOOR_DB_FP4 if is_fp4(recipe) else PER_SAMPLE_FLOOR_DB
     for k in params:
         got, want = sqnr(exact[k], per_sample[k].sum(0)), sqnr(exact[k], batch[k])
-        assert got >= max(want - PER_SAMPLE_SLACK_DB, PER_SAMPLE_FLOOR_DB), (k, got, want)
+        assert got >= max(want - PER_SAMPLE_SLACK_DB, floor), (k, got, want)
 
 
 @pytest.mark.parametrize("case, recipe", MATRIX)

@@ -125,7 +125,8 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """(rows, cols) codes -> (rows, ceil(cols / 2)) uint8, element 2j in the low nibble (as TE)."""
     if codes.shape[-1] % 2:
         codes = F.pad(codes, (0, 1))
-    return codes[..., 0::2] + codes[..., 1::2] * 16
+    # row-major whatever the strides of `codes` (a transposed tensor), as a checkpoint needs
+    return (codes[..., 0::2] + codes[..., 1::2] * 16).contiguous()
 
 
 def unpack_e2m1(data: torch.Tensor, columns: int | None = None) -> torch.Tensor:
