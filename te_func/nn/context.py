@@ -20,15 +20,19 @@ from ..recipe import DelayedScaling
 
 __all__ = ["Frame", "GradScope", "push", "bind", "current_grad_scope", "transform_level"]
 
-_local = threading.local()
+class _Stacks(threading.local):
+    # Both stacks exist from a thread's first look: made lazily, the first compiled call would
+    # guard on the attribute's absence and recompile once it exists, depending on what ran before.
+    def __init__(self):
+        self.frames: list = []
+        self.grad_scopes: list = []
+
+
+_local = _Stacks()
 
 
 def _stack(name: str) -> list:
-    stack = getattr(_local, name, None)
-    if stack is None:
-        stack = []
-        setattr(_local, name, stack)
-    return stack
+    return getattr(_local, name)
 
 
 def transform_level() -> int | None:

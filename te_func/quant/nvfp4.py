@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 __all__ = ["E2M1_MAX", "E4M3_MAX", "BLOCK", "RHT_SIGNS", "global_encode_scale", "block_decode_scale",
            "block_encode_scale", "round_to_e2m1", "stochastic_round_to_e2m1", "pack_e2m1", "unpack_e2m1",
-           "e2m1_values", "hadamard_transform", "philox4x32", "random_bytes", "rng_seed", "init_rng_state",
+           "e2m1_values", "E2M1_VALUES", "hadamard_transform", "philox4x32", "random_bytes", "rng_seed", "init_rng_state",
            "advance_rng"]
 
 E2M1_MAX = 6.0
@@ -68,23 +68,32 @@ def block_encode_scale(block_scale: torch.Tensor, s_dec: torch.Tensor) -> torch.
 
 # --- E2M1 codes ------------------------------------------------------------------------------
 
-def _sign_bit(v: torch.Tensor) -> torch.Tensor:
-    # The sign is kept (-0.0 and values rounding to zero give code 8), but a NaN becomes
-    # +6: a satfinite conversion to E2M1, which has no NaN, gives positive MAX_NORM (TE's
-    # ptx.cuh says so for its software rounding, which follows the hardware's).
-    return torch.where(torch.signbit(v) & ~torch.isnan(v), 8, 0).to(torch.uint8)
+# The 8 magnitudes of E2M1 in code order: 1 sign, 2 exponent (bias 1) and 1 mantissa bit.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _with_sign(mag: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Codes from magnitude codes (float 0..7, NaN where v is NaN) and v's sign bit (0x8).
+
+    The sign is kept (-0.0 and values rounding to zero give code 8), but a NaN becomes +6: a
+    satfinite conversion to E2M1, which has no NaN, gives positive MAX_NORM (TE's ptx.cuh says
+    so for its software rounding, which follows the hardware's)."""
+    nan = torch.isnan(v)
+    mag = torch.where(nan, 7.0, mag)
+    return (mag + torch.where(torch.signbit(v) & ~nan, 8.0, 0.0)).to(torch.uint8)
 
 
 def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8, 0..15) of fp32 `v`: nearest value, ties to the even code, |v| > 6
-    (inf included) saturating to 6, NaN to +6 (cvt.rn.satfinite.e2m1x2.f32)."""
-    a = v.abs()
-    # Each comparison passes one midpoint; `>` where the tie goes down to the even code,
-    # `>=` where it goes up to it (codes 0, 2, 4, 6 are even).
-    mag = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
-           + (a > 5.0))
-    mag = torch.where(torch.isnan(a), 7, mag).to(torch.uint8)
-    return mag | _sign_bit(v)
+    (inf included) saturating to 6, NaN to +6 (cvt.rn.satfinite.e2m1x2.f32).
+
+    The grid is 0.5 apart below 2, 1 apart below 4, 2 apart above, and codes count grid points,
+    so on each stretch the code is an offset plus round(a / spacing); torch.round rounds half to
+    even, and with even offsets an even multiple is an even code.
+    """
+    a = torch.clamp(v.abs(), max=E2M1_MAX)
+    mag = torch.where(a < 2, torch.round(2 * a), torch.where(a < 4, 2 + torch.round(a), 4 + torch.round(0.5 * a)))
+    return _with_sign(mag, v)
 
 
 def stochastic_round_to_e2m1(v: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
@@ -93,32 +102,23 @@ def stochastic_round_to_e2m1(v: torch.Tensor, rbits: torch.Tensor) -> torch.Tens
     stochastic_round_fp4_e2m1, which follows cvt.rs.satfinite.e2m1x4.f32):
 
         a = |v|, u = rbits / 256, step = the grid spacing at a (0.5 below 2, 1 below 4, else 2)
-        t = fl32(a + u * step);  q = min(floor(t / step_t) * step_t, 6), step_t the spacing at t
+        t = fl32(a + u * step);  the result: the grid point at or below t, at most 6
 
     so |v| rounds up with probability floor(256 f) / 256, f its position between its two
     grid neighbours: unbiased for f a multiple of 1/256, else low by less than step / 256.
     Signs are kept, NaN gives +6, |v| > 6 gives 6.
     """
     a = v.abs()
-    u = rbits.to(torch.float32) * (1.0 / 256)                    # exact
-    t = a + u * _grid_step(a)                                    # u * step is exact: one rounding
-    step_t = _grid_step(t)
-    q = torch.floor(t / step_t) * step_t                         # powers of 2: exact
-    q = torch.where(torch.isnan(q) | (q > E2M1_MAX), E2M1_MAX, q)
-    return round_to_e2m1(q) | _sign_bit(v)                       # q is on the grid: exact
-
-
-def _grid_step(a: torch.Tensor) -> torch.Tensor:
-    return torch.where(a >= 4.0, 2.0, torch.where(a >= 2.0, 1.0, 0.5))
+    step = torch.where(a >= 4, 2.0, torch.where(a >= 2, 1.0, 0.5))
+    t = a + rbits.to(torch.float32) * (1.0 / 256) * step            # u * step is exact: one rounding
+    mag = torch.where(t < 2, torch.floor(2 * t), torch.where(t < 4, 2 + torch.floor(t), 4 + torch.floor(0.5 * t)))
+    return _with_sign(torch.clamp(mag, max=7.0), v)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    """fp32 value of each code (code 8 is -0.0), by arithmetic: 1 exponent bias, 1 mantissa bit."""
-    mag = (codes & 7).to(torch.int32)
-    e, m = mag // 2, (mag % 2).to(torch.float32)
-    power = 1 + (e >= 2).to(torch.float32) + 2 * (e >= 3).to(torch.float32)      # 2**(e-1) for e = 1..3
-    value = torch.where(e == 0, 0.5 * m, power * (1 + 0.5 * m))
-    return torch.where(codes >= 8, -value, value)
+    """fp32 value of each code (code 8 is -0.0)."""
+    table = torch.tensor(E2M1_VALUES + tuple(-x for x in E2M1_VALUES), dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -189,6 +189,40 @@ def philox4x32(counter, key, rounds: int = 10):
     return c0, c1, c2, c3
 
 
+def _philox_bytes(rng_state: torch.Tensor, stream: int, numel: int) -> torch.Tensor:
+    """rng_state (..., 2) -> (..., numel) integers in [0, 256): see `random_bytes`."""
+    seed, counter = (t[..., None] for t in rng_state.unbind(-1))
+    chunk = torch.arange(-(-numel // 16), dtype=torch.int64, device=rng_state.device)
+    key = (seed & _MASK, (seed >> 32) & _MASK)
+    counter_words = (chunk, torch.full_like(chunk, stream), counter & _MASK, (counter >> 32) & _MASK)
+    words = torch.stack(torch.broadcast_tensors(*philox4x32(counter_words, key)), dim=-1)    # (..., chunks, 4)
+    per_byte = torch.stack([(words >> (8 * b)) & 0xFF for b in range(4)], dim=-1)           # (..., chunks, 4, 4)
+    return per_byte.reshape(*per_byte.shape[:-3], -1)[..., :numel]
+
+
+# One opaque op under torch.compile: traced, Philox's ten rounds are some 300 integer ops
+# per rounding, which cost dynamo and AOT autograd seconds per GEMM; as a custom op the graph
+# holds one node that runs this same torch code (eager and every backend alike).
+@torch.library.custom_op("te_func::nvfp4_random_bytes", mutates_args=())
+def _random_bytes_op(rng_state: torch.Tensor, stream: int, numel: int) -> torch.Tensor:
+    return _philox_bytes(rng_state, stream, numel)
+
+
+@_random_bytes_op.register_fake
+def _(rng_state, stream, numel):
+    return rng_state.new_empty((*rng_state.shape[:-1], numel))
+
+
+def _random_bytes_vmap(info, in_dims, rng_state, stream, numel):
+    # A batch of states (an ensemble's stacked workspaces) draws one stream per member.
+    if in_dims[0] is None:
+        return _random_bytes_op(rng_state, stream, numel), None
+    return _random_bytes_op(rng_state.movedim(in_dims[0], 0), stream, numel), 0
+
+
+torch.library.register_vmap(_random_bytes_op, _random_bytes_vmap)
+
+
 def random_bytes(rng_state: torch.Tensor, stream: int, shape) -> torch.Tensor:
     """Integers in [0, 256), int64 of `shape`, one per element in row-major order: a pure
     function of the RNG state (seed, counter), the stream number and the element's index.
@@ -198,16 +232,10 @@ def random_bytes(rng_state: torch.Tensor, stream: int, shape) -> torch.Tensor:
     w going to element 16 i + 4 w + b (TE's kernels likewise take byte k of a word for the
     k-th of four elements).
     """
-    n = 1
+    numel = 1
     for d in shape:
-        n *= d
-    seed, counter = rng_state.unbind(-1)
-    chunk = torch.arange(-(-n // 16), dtype=torch.int64, device=rng_state.device)
-    key = (seed & _MASK, (seed >> 32) & _MASK)
-    words = philox4x32((chunk, torch.full_like(chunk, stream), counter & _MASK, (counter >> 32) & _MASK), key)
-    words = torch.stack(words, dim=-1)                                          # (chunks, 4)
-    per_byte = torch.stack([(words >> (8 * b)) & 0xFF for b in range(4)], dim=-1)   # (chunks, 4, 4)
-    return per_byte.reshape(-1)[:n].reshape(shape)
+        numel *= d
+    return _random_bytes_op(rng_state, stream, numel).reshape(*rng_state.shape[:-1], *shape)
 
 
 # --- the RNG state a GEMM keeps ------------------------------------------------------------------
