@@ -11,6 +11,7 @@ import functools
 import torch
 
 from .quant import Quantized, dequantize, nvfp4
+from .quant.tensor import nvfp4_block_values
 
 __all__ = ["gemm", "native_fp8_gemm_available"]
 
@@ -80,15 +81,6 @@ def _pow2_blocks_on_gpu(a: Quantized, b: Quantized) -> bool:
             and b.scale_inv.dtype == torch.float8_e8m0fnu)
 
 
-def _nvfp4_block_values(q: Quantized) -> torch.Tensor:
-    """e2m1 * block scale in fp32 over the zero-padded rows (2 * bytes columns): exact, as an
-    E2M1 value (2 significant bits) times an E4M3 scale (4) fits fp32, bf16 and tf32 alike."""
-    values = nvfp4.e2m1_values(nvfp4.unpack_e2m1(q.data))
-    rows, cols = values.shape
-    scale = q.scale_inv.float().repeat_interleave(q.block[0], 0)[:rows].repeat_interleave(q.block[1], 1)[:, :cols]
-    return values * scale
-
-
 def _nvfp4_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
     """NVFP4 x NVFP4 as the block-scaled FP4 tensor cores compute it: per-block products are
     exact, they accumulate in fp32, and the epilogue multiplies by alpha = fl(fl(amax_a * amax_b)
@@ -98,7 +90,7 @@ def _nvfp4_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Ten
     tf32 too, so allow_tf32 changes nothing."""
     if not (a.nvfp4 and b.nvfp4):
         raise ValueError("an NVFP4 GEMM needs two NVFP4 operands (te_func.quant.Quantized with global_amax)")
-    acc = _nvfp4_block_values(a) @ _nvfp4_block_values(b).t()
+    acc = nvfp4_block_values(a) @ nvfp4_block_values(b).t()
     alpha = (a.global_amax * b.global_amax) * (1.0 / (nvfp4.E2M1_MAX ** 2 * nvfp4.E4M3_MAX ** 2))
     return (acc * alpha).to(out_dtype)
 

@@ -12,7 +12,7 @@ from . import nvfp4
 from .scheme import Scheme, e8m0_scale_inv, scale_from_amax, scheme_for
 
 __all__ = ["Quantized", "DelayedState", "quantize", "quantize_with_transpose",
-           "quantize_scheme", "dequantize", "transpose"]
+           "quantize_scheme", "dequantize", "transpose", "nvfp4_block_values"]
 
 
 @dataclass(frozen=True)
@@ -236,6 +236,14 @@ def quantize_with_transpose(x: torch.Tensor, s: Scheme, state=None):
         return q, transpose(q), new_state
     q_t, _ = quantize_scheme(x.t(), s, None)
     return q, q_t, new_state
+
+
+def nvfp4_block_values(q: Quantized) -> torch.Tensor:
+    """An NVFP4 tensor's e2m1 values times their block scales, fp32, (rows, 2 * bytes): the zero-
+    padded rows the FP4 GEMM reads, without the per-tensor factor. Exact: an E2M1 value (2
+    significant bits) times an E4M3 scale (4) fits fp32, bf16 and tf32 alike."""
+    values = nvfp4.e2m1_values(nvfp4.unpack_e2m1(q.data))
+    return values * _expand(q.scale_inv.float(), q.block, values.shape)
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
