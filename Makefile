@@ -13,7 +13,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e '.[test,bench]'
+	$(VENV)/bin/pip install -q -e '.[test,demo,bench]'
 	touch $@
 
 test: venv

@@ -23,17 +23,27 @@ DTYPE = torch.bfloat16
 
 TE_RECIPES = {"te-bf16": None, "te-current": Float8CurrentScaling(), "te-delayed": DelayedScaling(),
               "te-mxfp8": MXFP8BlockScaling(), "te-block": Float8BlockScaling()}
+# The same recipes through tef.Stateful (compiled shell + .backward()) instead of the functional step.
+STATEFUL = {"te-current-stateful": "te-current", "te-delayed-stateful": "te-delayed"}
 AO_RECIPES = {"ao-tensorwise": "tensorwise", "ao-rowwise": "rowwise"}
-VARIANTS = ["torch-bf16", *TE_RECIPES, *AO_RECIPES]
+VARIANTS = ["torch-bf16", *TE_RECIPES, *STATEFUL, *AO_RECIPES]
 BASELINE = "torch-bf16"
+# The real model: a HuggingFace Llama (random init), 4 layers of hidden 4096 / ffn 14336 /
+# 32 heads / 8 kv heads, 2 sequences of 4096 tokens; lm_head stays bf16 in every FP8 variant.
+LLAMA = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+             num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)
+LLAMA_BATCH = (2, 4096)
+LLAMA_QUICK = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
 
 
 @dataclass(frozen=True)
 class Workload:
     """`kind`: "mlp" / "linear" (forward+backward), "train8_cache" / "train8_nocache"
     (8 microbatches of forward+backward, weight casts cached or not), "infer" (no_grad forward),
-    "cast" (te_func only: both FP8 layouts of the MLP's two weights, as one step without cache does);
-    `compiled` False runs it eagerly. shape: (tokens, hidden, ffn) or (tokens, in, out)."""
+    "cast" (te_func only: both FP8 layouts of the MLP's two weights, as one step without cache does),
+    "llama" (the HF Llama: forward+backward+AdamW step); `compiled` False runs it eagerly.
+    shape: (tokens, hidden, ffn) or (tokens, in, out)."""
     name: str
     kind: str
     shape: tuple[int, int, int]
@@ -43,6 +53,11 @@ class Workload:
     def gemm_flops(self) -> float:
         """Forward GEMM FLOPs of one call; backward counts twice that."""
         t, h, f = self.shape
+        if self.kind == "llama":     # the decoder's GEMMs: q, k, v, o, gate, up, down per layer
+            cfg = LLAMA_QUICK if h < 1024 else LLAMA
+            kv = h * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
+            per_layer = 2 * t * h * (2 * h + 2 * kv + 3 * f)
+            return 3 * per_layer * cfg["num_hidden_layers"]
         fwd = 2 * t * h * f * (1 if self.kind == "linear" else 2)
         if self.kind == "cast":
             return 0.0
@@ -62,6 +77,9 @@ def workloads(quick: bool) -> list[Workload]:
     w += [Workload(f"infer_{'x'.join(map(str, s))}", "infer", s) for s in big]
     w.append(Workload(f"weight_cast_{'x'.join(map(str, big[0]))}", "cast", big[0]))
     w += [Workload(f"eager_mlp_{'x'.join(map(str, s))}", "mlp", s, compiled=False) for s in big]
+    cfg, (b, seq) = (LLAMA_QUICK, (2, 16)) if quick else (LLAMA, LLAMA_BATCH)
+    w.append(Workload("llama_4l_4096x14336_8192tok" if not quick else "llama_quick", "llama",
+                      (b * seq, cfg["hidden_size"], cfg["intermediate_size"])))
     return w
 
 
@@ -137,6 +155,12 @@ def build(variant: str, w: Workload, inputs: Inputs, compile_ok: bool) -> Step:
         w = Workload(w.name, w.kind, w.shape, compiled=False)
     if w.kind == "cast" and (variant not in TE_RECIPES or TE_RECIPES[variant] is None):
         raise NotApplicable("only te_func FP8 recipes cache a weight cast")
+    if w.kind == "llama":
+        return _llama_step(variant, w, inputs)
+    if variant in STATEFUL:
+        if w.kind not in ("mlp", "linear", "train8_cache", "train8_nocache"):
+            raise NotApplicable("the Stateful variants are measured on training workloads")
+        return _te_stateful_step(TE_RECIPES[STATEFUL[variant]], w, inputs)
     if variant in TE_RECIPES:
         return _te_step(TE_RECIPES[variant], w, inputs)
     if variant in AO_RECIPES:
@@ -234,3 +258,102 @@ def _te_step(recipe, w: Workload, inputs: Inputs) -> Step:
     x, dy = inputs.get(t, h, _out_features(w))
     step = _compile(tef.value_and_grad(loss_fn, argnums=(0, 2)), w)
     return Step(lambda: step(params, ws, x, dy, None), _nbytes(params, ws, x, dy), note)
+
+
+def _te_stateful_step(recipe, w: Workload, inputs: Inputs) -> Step:
+    """tef.Stateful compiled whole, `sum(shell(x) * dy).backward()`: what a module user runs."""
+    t, h, _ = w.shape
+    model, note = _te_block(w, inputs.device)
+    shell = tef.Stateful(model, recipe)
+    call = _compile(shell, w)
+
+    def reset():
+        shell.zero_grad(set_to_none=True)
+
+    if w.kind.startswith("train8"):
+        xs, dys = inputs.get(t, h, _out_features(w), 8)
+        cache = w.kind == "train8_cache"
+
+        def train():
+            reset()
+            for i in range(8):
+                (call(xs[i], is_first_microbatch=(i == 0) if cache else None) * dys[i]).float().sum().backward()
+        return Step(train, _nbytes(list(shell.parameters()), shell.workspaces, xs, dys), "tef.Stateful", reset)
+
+    x, dy = inputs.get(t, h, _out_features(w))
+    x = x.detach().requires_grad_(True)
+
+    def fwd_bwd():
+        reset()
+        x.grad = None
+        (call(x) * dy).float().sum().backward()
+    return Step(fwd_bwd, _nbytes(list(shell.parameters()), shell.workspaces, x, dy), "tef.Stateful", reset)
+
+
+def _llama_step(variant: str, w: Workload, inputs: Inputs) -> Step:
+    """One training step of the HF Llama: forward + backward + AdamW, compiled; lm_head in bf16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    quick = w.shape[1] < 1024
+    cfg = LLAMA_QUICK if quick else LLAMA
+    b, seq = (2, 16) if quick else LLAMA_BATCH
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).to(inputs.device, DTYPE)
+    keep_lm_head = lambda module, fqn: fqn != "lm_head"  # noqa: E731
+    g = torch.Generator(device=inputs.device).manual_seed(3)
+    ids = torch.randint(0, cfg["vocab_size"], (b, seq), device=inputs.device, generator=g)
+    fused = inputs.device.type == "cuda"
+    if variant in AO_RECIPES:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(AO_RECIPES[variant]),
+                                   module_filter_fn=keep_lm_head)
+        variant_note = "torchao " + AO_RECIPES[variant]
+    elif variant != BASELINE:
+        tef.convert(model, module_filter_fn=keep_lm_head)
+        variant_note = "tef.convert"
+    else:
+        variant_note = ""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
+
+    if variant in (BASELINE, *AO_RECIPES) or variant in STATEFUL or variant == "te-bf16":
+        recipe = None if variant in (BASELINE, *AO_RECIPES) else TE_RECIPES[STATEFUL.get(variant, variant)]
+        if recipe is None and variant != "te-bf16":
+            fwd = _compile(model, w) if not quick else model
+            loss_of = lambda: fwd(input_ids=ids, labels=ids).loss  # noqa: E731
+            ws = {}
+        else:
+            shell = tef.Stateful(model, recipe)
+            fwd = torch.compile(shell, fullgraph=True) if w.compiled and not quick else shell
+            loss_of = lambda: fwd(input_ids=ids, labels=ids, is_first_microbatch=True).loss  # noqa: E731
+            ws = shell.workspaces
+            variant_note += ", tef.Stateful"
+
+        def step():
+            loss_of().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    elif variant in TE_RECIPES:
+        recipe = TE_RECIPES[variant]
+        params = dict(model.named_parameters())
+        ws = tef.init_workspaces(model, recipe)
+        state = {"ws": ws}
+
+        def loss_fn(p, ws):
+            out, new_ws = tef.functional_call(model, p, ws, (), {"input_ids": ids, "labels": ids}, recipe=recipe,
+                                              is_first_microbatch=True)
+            return out.loss, new_ws
+
+        grad_fn = tef.value_and_grad(loss_fn)
+        grad_fn = torch.compile(grad_fn, fullgraph=True) if w.compiled and not quick else grad_fn
+        variant_note += ", tef.value_and_grad"
+
+        def step():
+            _, grads, state["ws"] = grad_fn({k: v.detach() for k, v in params.items()}, state["ws"])
+            for k, p in params.items():
+                p.grad = grads[k]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        raise NotApplicable(f"{variant} is not measured on the real model")
+    step()          # AdamW's state exists from here on: count it as resident
+    resident = _nbytes(list(model.parameters()), opt.state_dict()["state"], ws, ids)
+    return Step(step, resident, variant_note)

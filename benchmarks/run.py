@@ -11,10 +11,11 @@ and torchao's a compiled `sum(module(x) * dy)` followed by `.backward()`.
 Peak memory = the bytes the case keeps resident (parameters, workspaces,
 inputs) + the largest allocation growth during one call.
 
-Compiling ~80 graphs one after the other takes longer than the timing, so on
-a GPU with --jobs > 1 the variants compile in parallel processes, then time
-one process at a time (a shared lock) so that no timing overlaps other work.
-`--quick` runs tiny shapes eagerly on any device (the CPU smoke test).
+On a GPU each workload runs in a process of its own, one after the other: its
+variants compile, warm up and are timed there, so nothing else runs on the
+machine while it times (compiling many processes at once skewed a figure by
+15% before; --jobs N brings that mode back for quick looks). `--quick` runs tiny
+shapes eagerly on any device (the CPU smoke test).
 """
 from __future__ import annotations
 
@@ -43,7 +44,15 @@ def _sync(device):
 
 
 def time_ms(fn, device, quick: bool = False) -> float:
-    """Median milliseconds of one call; enough repeats for ~0.4 s (5 to 50); 2 with --quick on CPU."""
+    """Median milliseconds of one call: triton.testing.do_bench on a GPU (it flushes L2 between
+    calls; ~0.6 s of calls, at least 5), else a few host-timed calls."""
+    if device.type == "cuda" and not quick:
+        from triton.testing import do_bench
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        estimate = (time.perf_counter() - t0) * 1e3
+        return do_bench(fn, warmup=max(100, 2 * estimate), rep=max(600, 5 * estimate), return_mode="median")
     if device.type != "cuda":
         times = []
         for _ in range(2 if quick else 5):
@@ -125,10 +134,13 @@ def _measure(step, w, args, device):
 
 
 def run_variants(variants, selected, args, device, barrier=None, lock=None):
-    """Warm every case of `variants`, wait for the other processes, then time under `lock`."""
+    """Warm every case of `variants`, wait for the other processes, then time under `lock`.
+    Alone (no barrier), each case is timed as soon as it is warm and freed before the next."""
     torch._dynamo.config.cache_size_limit = 256          # one step function, many models and shapes
     torch._dynamo.config.accumulated_cache_size_limit = 4096
     inputs = cases.Inputs(device)
+    if barrier is None:
+        return _run_one_by_one(variants, selected, args, device, inputs)
     warmed = []
     for w in selected:
         for v in variants:
@@ -157,6 +169,28 @@ def run_variants(variants, selected, args, device, barrier=None, lock=None):
     return results
 
 
+def _run_one_by_one(variants, selected, args, device, inputs):
+    results = []
+    for w in selected:
+        for v in variants:
+            if (w, v) not in selected[w]:
+                continue
+            if time.monotonic() > args.warm_deadline:
+                results.append(_record(v, w, status="skipped", note="--compile-budget-s ran out"))
+                continue
+            step, rec = _warm(v, w, inputs, args, device)
+            if step is not None:
+                rec.update(_measure(step, w, args, device))
+            results.append(_record(v, w, **rec))
+            print(f"[time] {w.name:32s} {v:20s} first {rec.get('first_call_s')} s, "
+                  f"{rec.get('median_ms', rec.get('status'))} ms, {rec.get('peak_gib')} GiB", flush=True)
+            del step
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return results
+
+
 class _nullcontext:
     def __enter__(self):
         return self
@@ -172,6 +206,34 @@ def _worker(variants, selected, args, barrier, lock, queue):
     except BaseException as e:
         barrier.abort()
         queue.put([{"variant": v, "workload": "*", "status": "error", "error": _error_text(e)} for v in variants])
+
+
+def _one_workload(selected, args, queue):
+    device = torch.device("cuda")
+    try:
+        queue.put(run_variants(cases.VARIANTS, selected, args, device))
+    except BaseException as e:
+        queue.put([{"variant": "*", "workload": next(iter(selected)).name, "status": "error",
+                    "error": _error_text(e)}])
+
+
+def _per_workload(selected, args) -> list[dict]:
+    """Each workload in a fresh process, one after the other."""
+    ctx = mp.get_context("spawn")
+    results = []
+    for w, keep in selected.items():
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_one_workload, args=({w: keep}, args, queue))
+        proc.start()
+        try:
+            results += queue.get(timeout=args.workload_timeout_s)
+        except Exception:
+            results.append({"workload": w.name, "variant": "*", "status": "error",
+                            "error": f"no result within {args.workload_timeout_s} s (exit code {proc.exitcode})"})
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    return results
 
 
 def _selection(args):
@@ -211,18 +273,23 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny shapes, eager, few repeats (runs on CPU)")
     ap.add_argument("--only", help="comma-separated substrings of 'workload/variant' to run")
     ap.add_argument("--out", default="bench_out", help="directory for results.json, results.md, speedup.png")
-    ap.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: 8 on a GPU, 1 with --quick or on CPU)")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="compile in N parallel processes, then time one at a time (default: one process per "
+                         "workload, in sequence, on a GPU; all in this process with --quick or on CPU)")
     ap.add_argument("--compile-budget-s", type=float, default=1e9,
                     help="stop building and compiling new cases after this many seconds (they are reported skipped)")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failing variants")
+    ap.add_argument("--workload-timeout-s", type=float, default=900, help="per-workload process time limit")
     args = ap.parse_args(argv)
     args.warm_deadline = time.monotonic() + args.compile_budget_s
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     selected = _selection(args)
-    jobs = args.jobs or (8 if device.type == "cuda" and not args.quick else 1)
+    jobs = args.jobs or 1
     t0 = time.perf_counter()
-    if jobs == 1:
+    if args.jobs is None and device.type == "cuda" and not args.quick:
+        results = _per_workload(selected, args)
+    elif jobs == 1:
         results = run_variants(cases.VARIANTS, selected, args, device)
     else:
         # Each process compiles with its own pool of workers: keep the sum near the core count.

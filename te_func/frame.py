@@ -141,13 +141,15 @@ def _made_for_problem(ws: dict, recipe) -> tuple[type, str] | None:
 
 def _entry_problems(model, ws, recipe, owners: dict):
     """Yields (exception class, message) for each entry of `ws` that does not fit `model`
-    under `recipe`; fills `owners` with {id(module): (path, entry names)}."""
+    under `recipe`; fills `owners` with {id(module): (path, entry names, those backward reads as given)}."""
     expected = {RECIPE_KEY}
     for path, m, spec in _layer_specs(model, recipe):
-        owners[id(m)] = (path, tuple(spec))
+        # What a call's backward depends on as the call was given it: the grad histories (their
+        # gradient carries the backward amax) and the random streams (backward draws from them).
+        owners[id(m)] = (path, tuple(spec), tuple(k for k, e in spec.items() if e.backward or e.stream))
         # A model on "meta" (the usual base of a vmapped ensemble) says nothing about devices.
         device = next((p.device for p in m.parameters() if p.device.type != "meta"), None)
-        for name, (shape, dtype, _) in spec.items():
+        for name, (shape, dtype, *_) in spec.items():
             entry = _prefix(path) + name
             expected.add(entry)
             t = ws.get(entry)
@@ -174,7 +176,7 @@ def validate_workspaces(model, ws, recipe):
     shape, dtype and device, no other, and was made for `recipe`; raise an error naming
     what does not fit (the recipe first, then the first entry).
 
-    Returns {id(module): (its path, its entry names)} for the frame.
+    Returns {id(module): (its path, its entry names, those its backward reads as given)} for the frame.
     """
     if not isinstance(ws, dict):
         raise TypeError(f"workspaces must be the dict from tef.init_workspaces(model, recipe), got {type(ws).__name__}")
@@ -209,7 +211,7 @@ def _model_lock(model: nn.Module):
 
 
 def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *, recipe,
-                    is_first_microbatch: bool | None = None):
+                    is_first_microbatch: bool | None = None, _watch=None):
     """Run `model` with `params` (as torch.func.functional_call takes them) and
     workspaces `ws`. Returns `(out, new_ws)`; nothing passed in is mutated.
 
@@ -218,12 +220,16 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
     quantizes and stores. A layer called again within the call runs as False.
     A layer's own `is_first_microbatch=` argument, when given, wins.
     """
+    if recipe is not None and not _te_modules(model):
+        raise ValueError(f"tef.functional_call: the model ({type(model).__name__}) has no te_func layers, so "
+                         f"recipe={type(recipe).__name__} would change nothing; convert it first: tef.convert(model)")
     owners = validate_workspaces(model, ws, recipe)
     scope = current_grad_scope()
     if scope is not None:
         scope.backward_keys.update(k for k, e in workspace_spec(model, recipe).items() if e.backward)
     args = args if isinstance(args, tuple) else (args,)
-    frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"))
+    frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"),
+                  update_state=torch.is_grad_enabled(), watch=_watch)
     with _model_lock(model), push(frame):
         out = torch.func.functional_call(model, params, args, kwargs or {})
     return out, {**ws, **frame.updates}

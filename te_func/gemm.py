@@ -41,6 +41,10 @@ def _plain_2d(a: Quantized, b: Quantized) -> bool:
 
 
 def _use_scaled_mm(a: Quantized, b: Quantized) -> bool:
+    # The device first: a shape test on a symbolic size (a routed group's tokens under
+    # torch.compile) would guard on it, and a CPU never needs to.
+    if not native_fp8_gemm_available(a.data.device):
+        return False
     if a.block is not None or b.block is not None:
         return False
     if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
@@ -48,14 +52,14 @@ def _use_scaled_mm(a: Quantized, b: Quantized) -> bool:
     if not _plain_2d(a, b):
         return False
     k, n = a.data.shape[-1], b.data.shape[0]
-    if k % 16 or n % 16:
-        return False  # _scaled_mm needs K and N multiples of 16
-    return native_fp8_gemm_available(a.data.device)
+    return not (k % 16 or n % 16)   # _scaled_mm needs K and N multiples of 16
 
 
 def _use_blockwise_scaled_mm(a: Quantized, b: Quantized) -> bool:
     """Float8BlockScaling's pairs, which cuBLAS (CUDA 12.9+, Hopper) runs natively:
     1x128 x 128x128 (forward, input gradient) and 1x128 x 1x128 (weight gradient)."""
+    if a.data.device.type != "cuda" or _device_capability(a.data.device) != (9, 0):   # Hopper
+        return False
     if a.block != (1, 128) or b.block not in ((1, 128), (128, 128)):
         return False
     if a.scale_inv.dtype != torch.float32 or a.data.dtype != torch.float8_e4m3fn or b.data.dtype != a.data.dtype:
@@ -70,7 +74,7 @@ def _use_blockwise_scaled_mm(a: Quantized, b: Quantized) -> bool:
         # K/128 floats; unless that is a multiple of 16 bytes the result was wrong
         # on an H200 (input gradients at 3 dB, NaN). Emulate those.
         return False
-    return a.data.device.type == "cuda" and _device_capability(a.data.device) == (9, 0)   # Hopper
+    return True
 
 
 def _pow2_blocks_on_gpu(a: Quantized, b: Quantized) -> bool:

@@ -6,107 +6,203 @@ PyTorch module (`shell(x)`, `loss.backward()`, `optimizer.step()`).
 """
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 from torch import nn
 
 from .frame import (backward_keys, functional_call, init_workspaces, mark_static, upgrade_workspaces,
                     validate_workspaces)
+from .nn import TEModule
+from .ops import on_backward
 
 __all__ = ["Stateful"]
 
 _WS = "workspaces."
 
 
+def _absorb(shell_ref, key: str, amax: torch.Tensor):
+    """Merge a backward amax ((L,), zero but for slot 0) into the shell's history `key` by max.
+    The shell is held weakly: a dropped shell is freed, however many graphs saw it."""
+    shell = shell_ref()
+    if shell is not None and key in shell.workspaces:
+        ws = shell.workspaces
+        shell.workspaces = {**ws, key: torch.maximum(ws[key], amax.detach().to(ws[key].device))}
+
+
+def _absorb_sink(shell_ref, key: str, sink: torch.Tensor):
+    if sink.grad is not None:
+        _absorb(shell_ref, key, sink.grad)
+        sink.grad = None
+
+
+_WEIGHTS_ONLY = ("the checkpoint has no workspace entries (workspaces.*): it holds weights only. Load it with "
+                 "strict=False, which loads the weights and makes fresh workspaces from them")
+
+
+def _after_load(shell: "Stateful", incompatible_keys):
+    # A load_state_dict post-hook: it runs once the model below has its weights, so fresh
+    # workspaces (a weights-only checkpoint) are made from the loaded weights. A strict load
+    # then fails on the workspace entries reported missing here.
+    pending, shell._pending_load = shell._pending_load, None
+    if pending is None:
+        return
+    ws, prefix = pending
+    if ws:
+        shell._set_workspaces(ws)
+    else:
+        shell.reset_workspaces()
+        incompatible_keys.missing_keys.extend(prefix + _WS + k for k in shell.workspaces)
+
+
 class Stateful(nn.Module):
     """`shell = Stateful(model, recipe)`; `out = shell(x, is_first_microbatch=...)`.
 
     `shell.parameters()` are the model's; `shell.workspaces` is the current
-    workspace dict; `state_dict()` holds both (workspace entries under
-    `workspaces.`), and `load_state_dict` restores both.
+    workspace dict (replaced, never modified, by each call); the state_dict
+    holds both (workspace entries under `workspaces.`), also as a submodule of
+    a larger model, and `.to(device)` moves both.
 
-    Under DelayedScaling, backward (`loss.backward()`) records the grad-output
-    amaxes into `shell.workspaces`, merged by max across the microbatches of a step.
+    Under DelayedScaling, backward records the grad-output amaxes into
+    `shell.workspaces`, merged by max into the current step's slot: through
+    `loss.backward()`, `backward(inputs=...)` and `torch.autograd.grad` alike.
     """
 
     def __init__(self, model: nn.Module, recipe):
         super().__init__()
+        if recipe is not None and not any(isinstance(m, TEModule) for m in model.modules()):
+            raise ValueError(f"tef.Stateful: {type(model).__name__} has no te_func layers, so recipe="
+                             f"{type(recipe).__name__} would change nothing; convert it first: "
+                             f"tef.Stateful(tef.convert(model), recipe)")
         self.model = model
         self.recipe = recipe
-        self.workspaces = init_workspaces(model, recipe)
-        self._make_grad_sinks()
+        self._pending_load = None
+        self._set_workspaces(init_workspaces(model, recipe))
+        self.register_load_state_dict_post_hook(_after_load)
 
-    def _make_grad_sinks(self):
-        self._grad_sinks = self._new_grad_sinks()
+    # --- workspaces and the grad sinks --------------------------------------------------------
 
-    def _new_grad_sinks(self) -> dict:
-        # One zero leaf per grad history, added to the entry a forward reads:
-        # its value is unchanged, and the history's "gradient" (the history with
-        # the backward amax recorded) lands in the leaf's .grad, which the hook
-        # merges into self.workspaces by max. The leaves live in a plain dict,
-        # not as parameters or buffers, so no optimizer or state_dict sees them.
-        sinks = {}
-        for key in backward_keys(self.model, self.recipe):
+    def _set_workspaces(self, ws: dict):
+        mark_static(ws.values())
+        self.workspaces = ws
+        self._make_sinks()
+
+    def _make_sinks(self):
+        # Compiled calls: autograd's only way out of a compiled graph is a gradient, so each
+        # grad history is read as `entry + sink`, a zero leaf made here (outside the graph),
+        # whose gradient (the backward amax) a hook merges into self.workspaces. Eager calls
+        # hear of it from the op itself (see forward). The leaves live in a plain dict, not as
+        # parameters or buffers: no optimizer or state_dict sees them.
+        self._backward_keys = backward_keys(self.model, self.recipe)
+        self._sinks = {}
+        me = weakref.ref(self)
+        for key in self._backward_keys:
             sink = torch.zeros_like(self.workspaces[key]).requires_grad_()
-            sink.register_post_accumulate_grad_hook(lambda t, key=key: self._absorb(key, t))
-            sinks[key] = sink
-        return sinks
+            sink.register_post_accumulate_grad_hook(functools.partial(_absorb_sink, me, key))
+            self._sinks[key] = sink
 
-    def _absorb(self, key: str, sink: torch.Tensor):
-        self.workspaces = {**self.workspaces, key: torch.maximum(self.workspaces[key], sink.grad)}
-        sink.grad = None
+    def _watcher(self):
+        me, keys = weakref.ref(self), set(self._backward_keys)
 
-    def forward(self, *args, is_first_microbatch: bool | None = None, **kwargs):
-        params = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        ws = self.workspaces
-        if torch.is_grad_enabled() and self._grad_sinks:
-            # Eager: fresh leaves per call, so microbatches may run their backwards in any
-            # order (autograd would sum two uses of one leaf). Compiled: the leaves made
-            # outside the graph, so each microbatch's backward must precede the next forward.
-            sinks = self._grad_sinks if torch.compiler.is_compiling() else self._new_grad_sinks()
-            ws = {**ws, **{k: ws[k] + sink for k, sink in sinks.items()}}
-        out, new_ws = functional_call(self.model, params, ws, args, kwargs,
-                                      recipe=self.recipe, is_first_microbatch=is_first_microbatch)
-        self.workspaces = {**new_ws, **{k: new_ws[k].detach() for k in self._grad_sinks}}
-        return out
+        def watch(entries: dict):
+            for key in keys.intersection(entries):
+                on_backward(entries[key], functools.partial(_absorb, me, key))
+        return watch
 
     def reset_workspaces(self):
         """Fresh workspaces from the current weights (e.g. after loading new weights)."""
-        self.workspaces = init_workspaces(self.model, self.recipe)
-        self._make_grad_sinks()
+        self._set_workspaces(init_workspaces(self.model, self.recipe))
 
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        sd = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+    # --- the call -----------------------------------------------------------------------------
+
+    def forward(self, *args, is_first_microbatch: bool | None = None, **kwargs):
+        params = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        ws, watch = self.workspaces, None
+        if torch.is_grad_enabled() and self._backward_keys:
+            if torch.compiler.is_compiling():
+                # The same leaves each call: run each microbatch's backward before the next forward.
+                ws = {**ws, **{k: ws[k] + sink for k, sink in self._sinks.items()}}
+            else:
+                # A leaf per call and a hook on each op's node: backwards may come in any order,
+                # and the op reports its amax even where autograd drops the leaf's gradient
+                # (autograd.grad(loss, params), backward(inputs=...)).
+                ws = {**ws, **{k: ws[k].detach().requires_grad_() for k in self._backward_keys}}
+                watch = self._watcher()
+        out, new_ws = functional_call(self.model, params, ws, args, kwargs, recipe=self.recipe,
+                                      is_first_microbatch=is_first_microbatch, _watch=watch)
+        self.workspaces = {**new_ws, **{k: new_ws[k].detach() for k in self._backward_keys}}
+        return out
+
+    # --- modules around it: state_dict, copies, devices ---------------------------------------
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
         for k, v in self.workspaces.items():
-            sd[prefix + _WS + k] = v if keep_vars else v.detach()
-        return sd
+            destination[prefix + _WS + k] = v if keep_vars else v.detach()
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Parameters and workspaces. With strict=False a checkpoint without workspaces
-        (model weights only, e.g. converted from TE) loads too; fresh workspaces are then
-        made from the loaded weights."""
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        p = prefix + _WS
+        ours = [k for k in state_dict if k.startswith(p)]
+        unexpected_keys[:] = [k for k in unexpected_keys if not k.startswith(p)]
         device = next(self.model.parameters(), torch.empty(0)).device
-        ws = {k[len(_WS):]: v.to(device) for k, v in state_dict.items() if k.startswith(_WS)}
-        rest = {k: v for k, v in state_dict.items() if not k.startswith(_WS)}
+        ws = {k[len(p):]: state_dict[k].to(device) for k in ours}
         if any(k.startswith("te_func.recipe=") for k in ws):     # written by te_func 0.1
             ws = upgrade_workspaces(ws, self.model, self.recipe)
-        if not ws:
+        if ws:
+            try:   # a clear error naming the recipe, or the missing or misshapen entry
+                validate_workspaces(self.model, ws, self.recipe)
+            except (KeyError, ValueError) as e:
+                raise type(e)(f"Stateful.load_state_dict: the checkpoint does not fit this shell "
+                              f"(recipe={self.recipe!r}): {e.args[0]}") from None
+        self._pending_load = (ws, prefix)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Parameters and workspaces. A checkpoint of weights only (no `workspaces.` entries)
+        loads with strict=False, which makes fresh workspaces from the loaded weights; so does
+        the model's own state_dict (keys without the `model.` prefix)."""
+        own = self.model.state_dict().keys()
+        if state_dict and not any(k.startswith(("model.", _WS)) for k in state_dict):
+            if not set(state_dict) & set(own):
+                raise KeyError(f"Stateful.load_state_dict: none of the checkpoint's keys (e.g. "
+                               f"{next(iter(state_dict))!r}) is a parameter of the model or a workspace entry")
             if strict:
-                raise KeyError("Stateful.load_state_dict: the checkpoint has no workspace entries (workspaces.*): "
-                               "it holds weights only. Load it with strict=False, which loads the weights and "
-                               "makes fresh workspaces from them")
-            result = super().load_state_dict(rest, strict=strict, assign=assign)
-            self.reset_workspaces()
-            return result
-        try:   # a clear error naming the recipe, or the missing or misshapen entry
-            validate_workspaces(self.model, ws, self.recipe)
-        except (KeyError, ValueError) as e:
-            raise type(e)(f"Stateful.load_state_dict: the checkpoint does not fit this shell "
-                          f"(recipe={self.recipe!r}): {e.args[0]}") from None
-        result = super().load_state_dict(rest, strict=strict, assign=assign)
-        mark_static(ws.values())
-        self.workspaces = ws
-        self._make_grad_sinks()
-        return result
+                raise KeyError("Stateful.load_state_dict: this is the model's own state_dict (no 'model.' "
+                               "prefix, no workspaces): load it with shell.load_state_dict(sd, strict=False), "
+                               "which loads the weights and makes fresh workspaces from them")
+            state_dict = {f"model.{k}": v for k, v in state_dict.items()}
+        elif not any(k.startswith(_WS) for k in state_dict):
+            if strict:
+                raise KeyError(f"Stateful.load_state_dict: {_WEIGHTS_ONLY}")
+            if not {k.removeprefix("model.") for k in state_dict} & set(own):
+                raise KeyError("Stateful.load_state_dict: nothing in the checkpoint fits this shell (no parameter "
+                               "of the model, no workspace entry)")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _apply(self, fn, recurse=True):
+        # .to(device) / .cuda() move the workspaces with the parameters; a dtype change (.half(),
+        # .to(torch.bfloat16)) leaves them alone: casts and amax histories keep their own dtypes.
+        super()._apply(fn, recurse)
+        moved = {}
+        for k, v in self.workspaces.items():
+            device = fn(torch.zeros((), device=v.device)).device
+            moved[k] = v if device == v.device else v.to(device)
+        self._set_workspaces(moved)
+        return self
+
+    def __getstate__(self):
+        # copy.deepcopy and pickle: the sinks' hooks cannot be copied; __setstate__ makes new ones.
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state.pop("_sinks", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._make_sinks()
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe!r}"

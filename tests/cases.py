@@ -46,6 +46,14 @@ class LayerCase:
     # Whether the per-sample vmap column applies: vmap over dim 0 of the first
     # input, the other inputs shared (False for inputs like GroupedLinear's m_splits).
     per_sample: bool = True
+    # The recipes (ids) the torch.compile column runs, None for all: a HuggingFace model takes
+    # dynamo ~10-20 s per graph on CI's CPU.
+    compile_recipes: tuple[str, ...] | None = None
+    # Whether torch.func.grad and eager autograd give the model's gradients bit for bit: not for
+    # HF Llama, whose scaled_dot_product_attention backward torch.func runs another way (plain
+    # torch shows the same difference), so those compare to fp32 rounding.
+    exact_grads: bool = True
+    members: int = 4          # of the vmapped ensemble
 
 
 def _tokens(features):
@@ -72,6 +80,49 @@ LAYERS = [
 ]
 
 
+# --- HuggingFace models, random init from tiny configs (no download) ---------------------------
+
+VOCAB, SEQ = 128, 8
+
+
+def tiny_llama(dtype=torch.float32, layers=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def tiny_gpt2(dtype=torch.float32, layers=2):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4, n_positions=64, embd_pdrop=0.0,
+                     attn_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).to(dtype)
+
+
+def _token_ids(batch, dtype):
+    return (torch.randint(0, VOCAB, (batch, SEQ)),)
+
+
+def _converted(make):
+    # One decoder layer in the matrix: dynamo's time to trace a model grows with its layers.
+    return lambda dt: tef.convert(make(dt, layers=1))
+
+
+try:
+    import transformers  # noqa: F401
+    HF_MODELS = [
+        # A forward needs its batch dim, which per-sample vmap takes away: no per-sample column.
+        # The compile columns run one tensor-wise recipe per model (CI time); the te_func
+        # layer rows above compile under every recipe.
+        LayerCase("HF-Llama", _converted(tiny_llama), _token_ids, output=lambda out: out.logits, per_sample=False,
+                  compile_recipes=("current",), exact_grads=False, members=2),
+        LayerCase("HF-GPT2", _converted(tiny_gpt2), _token_ids, output=lambda out: out.logits, per_sample=False,
+                  compile_recipes=("delayed",), members=2),
+    ]
+except ImportError:      # the test extra installs transformers; without it these rows drop out
+    HF_MODELS = []
+
+
 def needs_state(recipe) -> bool:
     """Whether `recipe` keeps state between steps, so it cannot run under tef.autocast: DelayedScaling's
     amax histories, the random streams of NVFP4's stochastic rounding."""
@@ -80,6 +131,32 @@ def needs_state(recipe) -> bool:
 
 def is_fp4(recipe) -> bool:
     return isinstance(recipe, NVFP4BlockScaling)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    # torch.equal has no CPU kernel for the float8 dtypes: compare their bytes.
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
+def assert_dicts_equal(got: dict, want: dict):
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(bits(got[k]), bits(want[k])), k
+
+
+def assert_grads_match(case, got: dict, want: dict):
+    """Bit for bit, or where torch's own autograd and torch.func.grad differ (case.exact_grads
+    False: HF Llama's attention backward), to fp32 rounding: FP8 casts and integer entries
+    still bit for bit, float entries (gradients, delayed-scaling amaxes and scales) within
+    1e-5 of their norm."""
+    if case.exact_grads:
+        return assert_dicts_equal(got, want)
+    assert got.keys() == want.keys()
+    for k in want:
+        if got[k].element_size() == 1 or not got[k].is_floating_point():
+            assert torch.equal(bits(got[k]), bits(want[k])), k
+        else:
+            assert (got[k] - want[k]).norm() <= 1e-5 * want[k].norm(), k
 
 
 def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:

@@ -68,6 +68,15 @@ def _assert_finite(layer: str, tensors: dict):
                              f"turns this check off)")
 
 
+def autocast_input(inp: torch.Tensor) -> torch.Tensor:
+    """The input in torch.autocast's dtype where autocast is on for its device, as TE casts a
+    layer's input to the autocast dtype: the layer then computes and returns in that dtype."""
+    device = inp.device.type
+    if torch.is_autocast_enabled(device):
+        return inp.to(torch.get_autocast_dtype(device))
+    return inp
+
+
 def first_microbatch(value, layer: str = "te_func") -> bool | None:
     """`is_first_microbatch` as None, True or False.
 

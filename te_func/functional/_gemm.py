@@ -26,13 +26,19 @@ from ._common import needs_weight_grad
 __all__ = ["GemmStep", "starts_step"]
 
 
-def starts_step(is_first_microbatch: bool | None) -> bool:
+def starts_step(is_first_microbatch: bool | None, update_state: bool | None = None) -> bool:
     """A call with is_first_microbatch True or None begins a step: DelayedScaling's scales
     update and its histories roll. Later microbatches (False) quantize with the same
     scales and add their amaxes to the current slot by max. As in TE, nothing updates
     while grad is disabled: an evaluation under no_grad records its amaxes and leaves
-    the scales as they are."""
-    return is_first_microbatch is not False and torch.is_grad_enabled()
+    the scales as they are. `update_state` says so explicitly (None: the grad mode now)."""
+    return is_first_microbatch is not False and _trains(update_state)
+
+
+def _trains(update_state: bool | None) -> bool:
+    # Whether this call is part of a training step: the frame decides when it opens (an
+    # activation checkpoint's no_grad forward inside a step still trains), else the grad mode.
+    return torch.is_grad_enabled() if update_state is None else update_state
 
 
 def _step_state(state: DelayedState, recipe, role: str, start: bool) -> DelayedState:
@@ -53,20 +59,20 @@ class GemmStep:
 
     @classmethod
     def begin(cls, gemm: Gemm, weight: torch.Tensor, recipe, workspace: dict, is_first_microbatch,
-              prefix: str = "") -> "GemmStep":
+              update_state: bool | None = None, prefix: str = "") -> "GemmStep":
         gw = gemm.read(workspace, recipe)
         sink = None
         if isinstance(recipe, DelayedScaling):
             sink = gw.grad.amax_history
-            start = starts_step(is_first_microbatch)
+            start = starts_step(is_first_microbatch, update_state)
             gw = gw._replace(**{role: _step_state(getattr(gw, role), recipe, role, start)
                                 for role in ("input", "weight", "grad")})
         cfg = GemmConfig.of(recipe, save_input=needs_weight_grad(weight))
         cast, weight_state, _ = cast_weight(weight, cfg.weight, gw.cast, is_first_microbatch, gw.weight)
         slot = GemmSlot(cfg, gemm.weight, prefix)
-        # Only a call whose backward may run moves the stream (as TE draws only when it rounds):
+        # Only a call of a training step moves the stream (as TE draws only when it rounds):
         # an evaluation under no_grad leaves it where it was.
-        next_rng = advance_rng(gw.rng) if gw.rng is not None and torch.is_grad_enabled() else gw.rng
+        next_rng = advance_rng(gw.rng) if gw.rng is not None and _trains(update_state) else gw.rng
         return cls(gemm, recipe, slot, gw._replace(cast=cast, weight=weight_state), sink, next_rng)
 
     def tensors(self) -> dict:
@@ -75,5 +81,5 @@ class GemmStep:
 
     def entries(self, outputs: dict) -> dict:
         """The op-local workspace entries this call leaves, from the op's outputs."""
-        gw = self.state._replace(input=self.slot.new_input_state(outputs, self.state.input), rng=self.next_rng)
-        return self.gemm.write(gw, self.recipe)
+        x_state, g_state = self.slot.new_states(outputs, self.state.input, self.state.grad)
+        return self.gemm.write(self.state._replace(input=x_state, grad=g_state, rng=self.next_rng), self.recipe)

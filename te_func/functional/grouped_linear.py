@@ -1,6 +1,7 @@
 """`grouped_linear`: TE's GroupedLinear as a function of tensors and one op-local workspace."""
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 
 from ..ops import GroupedLinearFP8, call
 from ..quant import Gemm
-from ._common import check_input, first_microbatch
+from ._common import autocast_input, check_input, first_microbatch
 from ._gemm import GemmStep
 
 __all__ = ["grouped_linear", "split_sizes", "grouped_gemms"]
@@ -35,10 +36,14 @@ def split_sizes(m_splits, num_gemms: int, tokens: int, layer: str = "GroupedLine
             raise TypeError(f"{layer}: m_splits must be a list of ints or a 1-D integer tensor, got a tensor "
                             f"of shape {tuple(m_splits.shape)} and dtype {m_splits.dtype}")
         sizes = m_splits.tolist()
-    elif isinstance(m_splits, Sequence) and all(isinstance(s, (int, torch.SymInt)) for s in m_splits):
-        sizes = list(m_splits)
+    elif hasattr(m_splits, "tolist") and getattr(m_splits, "ndim", None) == 1 and \
+            str(getattr(m_splits, "dtype", "")).startswith(("int", "uint")):
+        sizes = m_splits.tolist()                                   # a numpy array, as TE accepts
+    elif isinstance(m_splits, Sequence) and all(isinstance(s, (numbers.Integral, torch.SymInt)) for s in m_splits):
+        sizes = [s if isinstance(s, torch.SymInt) else int(s) for s in m_splits]   # numpy ints too
     else:
-        raise TypeError(f"{layer}: m_splits must be a list of ints or a 1-D integer tensor, got {m_splits!r}")
+        raise TypeError(f"{layer}: m_splits must be a list of ints, a 1-D integer tensor or a 1-D integer "
+                        f"numpy array, got {m_splits!r}")
     if len(sizes) != num_gemms:
         raise ValueError(f"{layer}: got {len(sizes)} m_splits for num_gemms={num_gemms}; pass one token "
                          f"count per GEMM (zeros allowed)")
@@ -56,7 +61,8 @@ def split_sizes(m_splits, num_gemms: int, tokens: int, layer: str = "GroupedLine
 
 def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
                    biases: Sequence[torch.Tensor | None] | None = None, *, recipe=None,
-                   workspace: dict | None = None, is_first_microbatch: bool | None = None):
+                   workspace: dict | None = None, is_first_microbatch: bool | None = None,
+                   update_state: bool | None = None):
     """Row group i of inp times weights[i].T plus biases[i], in FP8 per `recipe` (None: F.linear).
 
     inp: (tokens, in_features), or (..., in_features) flattened to tokens; the first
@@ -64,6 +70,7 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
     weights[i]: (out_features, in_features); biases[i]: (out_features,) or None.
     workspace: this op's entries (te_func.quant.workspace, GEMM i as `grouped_gemms`
     names it), or None to start empty.
+    update_state: as `te_func.functional.linear`'s.
     Returns `(out, new_workspace)`, out (..., out_features) in inp's dtype.
     """
     layer = "GroupedLinear"
@@ -95,10 +102,11 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
         out, entries = torch.cat(outs), {}
     else:
         ifm = first_microbatch(is_first_microbatch, layer)
-        steps = [GemmStep.begin(g, w, recipe, workspace, ifm, prefix=f"g{i}.")
+        x = autocast_input(x)
+        steps = [GemmStep.begin(g, w, recipe, workspace, ifm, update_state, prefix=f"g{i}.")
                  for i, (g, w) in enumerate(zip(grouped_gemms(n), weights))]
         tensors = {k: v for st in steps for k, v in st.tensors().items()}
-        res = call(GroupedLinearFP8(tuple(st.slot for st in steps), tuple(sizes)), x=x,
+        res = call(GroupedLinearFP8(tuple(st.slot for st in steps)), x=x, **{f"m{i}": m for i, m in enumerate(sizes)},
                    **{f"weight{i}": w for i, w in enumerate(weights)},
                    **{f"bias{i}": b for i, b in enumerate(biases)}, **tensors)
         out = res["out"]                                                            # (tokens, out)

@@ -8,7 +8,7 @@ from ..ops import LayerNormMLPFP8, call
 from ..ops.activations import activation_reference, check_activation, is_gated
 from ..ops.normalization import norm_reference
 from ..quant import Gemm
-from ._common import check_input, first_microbatch
+from ._common import autocast_input, check_input, first_microbatch
 from ._fused import check_norm_params, norm_config
 from ._gemm import GemmStep
 
@@ -33,13 +33,14 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
                   fc2_bias: torch.Tensor | None = None, *, eps: float = 1e-5, normalization: str = "LayerNorm",
                   activation: str = "gelu", zero_centered_gamma: bool = False,
                   return_layernorm_output: bool = False, recipe=None, workspace: dict | None = None,
-                  is_first_microbatch: bool | None = None):
+                  is_first_microbatch: bool | None = None, update_state: bool | None = None):
     """y = fc2(act(fc1(norm(inp)))), the GEMMs in FP8 per `recipe` (None: plain torch ops).
 
     inp: (..., hidden); ln_weight, ln_bias: (hidden,) (ln_bias None for RMSNorm);
     fc1_weight: (ffn, hidden), or (2 * ffn, hidden) for a gated activation; fc1_bias: (fc1 width,);
     fc2_weight: (hidden, ffn); fc2_bias: (hidden,).
     workspace: this op's entries (te_func.quant.workspace), or None to start empty.
+    update_state: as `te_func.functional.linear`'s.
     Returns `(out, new_workspace)`, out (..., hidden) in inp's dtype, or
     `((out, ln_out), new_workspace)` with return_layernorm_output.
     """
@@ -61,8 +62,9 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
         entries = {}
     else:
         ifm = first_microbatch(is_first_microbatch, layer)
-        fc1, fc2 = (GemmStep.begin(g, w, recipe, workspace, ifm, prefix=f"{name}.")
+        fc1, fc2 = (GemmStep.begin(g, w, recipe, workspace, ifm, update_state, prefix=f"{name}.")
                     for g, w, name in zip(LAYERNORM_MLP_GEMMS, (fc1_weight, fc2_weight), ("fc1", "fc2")))
+        inp = autocast_input(inp)
         x = inp.reshape(-1, hidden)                                                 # (tokens, hidden)
         res = call(LayerNormMLPFP8(fc1.slot, fc2.slot, norm_cfg, activation), x=x, ln_weight=ln_weight,
                    ln_bias=ln_bias, fc1_weight=fc1_weight, fc1_bias=fc1_bias, fc2_weight=fc2_weight,

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from ..ops import LinearFP8, call
 from ..quant import Gemm
-from ._common import check_input, first_microbatch
+from ._common import autocast_input, check_input, first_microbatch
 from ._gemm import GemmStep
 
 __all__ = ["linear", "LINEAR_GEMMS"]
@@ -15,12 +15,15 @@ LINEAR_GEMMS = (Gemm("weight"),)
 
 
 def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, recipe=None,
-           workspace: dict | None = None, is_first_microbatch: bool | None = None):
+           workspace: dict | None = None, is_first_microbatch: bool | None = None,
+           update_state: bool | None = None):
     """y = inp @ weight.T + bias, in FP8 per `recipe` (None: exactly `F.linear`).
 
     inp: (..., in_features); weight: (out_features, in_features); bias: (out_features,).
     workspace: this op's entries (te_func.quant.workspace: `weight_cast.*`, and under
     DelayedScaling the `input`, `weight` and `grad` states), or None to start empty.
+    update_state: whether a call that starts a step (is_first_microbatch True or None) updates
+    DelayedScaling's scales and rolls its histories; None: when grad is enabled, as in TE.
     Returns `(out, new_workspace)`, out of shape (..., out_features) in inp's dtype.
     """
     out_features, in_features = weight.shape
@@ -28,7 +31,9 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     workspace = {} if workspace is None else workspace
     if recipe is None:
         return F.linear(inp, weight.to(inp.dtype), None if bias is None else bias.to(inp.dtype)), workspace
-    step = GemmStep.begin(LINEAR_GEMMS[0], weight, recipe, workspace, first_microbatch(is_first_microbatch, "Linear"))
+    ifm = first_microbatch(is_first_microbatch, "Linear")
+    step = GemmStep.begin(LINEAR_GEMMS[0], weight, recipe, workspace, ifm, update_state)
+    inp = autocast_input(inp)
     x = inp.reshape(-1, in_features)                                                # (tokens, in)
     out = call(LinearFP8(step.slot), x=x, weight=weight, bias=bias, **step.tensors())
     return out["out"].reshape(*inp.shape[:-1], out_features), {**workspace, **step.entries(out)}

@@ -27,7 +27,8 @@ def _norm(layer, normalization, inp, weight, bias, eps, zero_centered_gamma, rec
 
 def layer_norm(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                eps: float = 1e-5, zero_centered_gamma: bool = False, recipe=None,
-               workspace: dict | None = None, is_first_microbatch: bool | None = None):
+               workspace: dict | None = None, is_first_microbatch: bool | None = None,
+               update_state: bool | None = None):
     """y = (x - mean) / sqrt(var + eps) * gamma + bias over the last dim.
 
     inp: (..., hidden); weight, bias: (hidden,); gamma = weight, or 1 + weight with
@@ -38,6 +39,7 @@ def layer_norm(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def rms_norm(inp: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-5, zero_centered_gamma: bool = False,
-             recipe=None, workspace: dict | None = None, is_first_microbatch: bool | None = None):
+             recipe=None, workspace: dict | None = None, is_first_microbatch: bool | None = None,
+               update_state: bool | None = None):
     """y = x / sqrt(mean(x**2) + eps) * gamma over the last dim; as `layer_norm` otherwise."""
     return _norm("RMSNorm", "RMSNorm", inp, weight, None, eps, zero_centered_gamma, recipe, workspace)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import torch
 from torch._C import _functorch
@@ -18,7 +20,8 @@ from torch._C import _functorch
 from ..quant.workspace import keeps_rng
 from ..recipe import DelayedScaling
 
-__all__ = ["Frame", "GradScope", "push", "bind", "current_grad_scope", "transform_level"]
+__all__ = ["Frame", "GradScope", "Binding", "push", "bind", "current_grad_scope", "transform_level"]
+
 
 class _Stacks(threading.local):
     # Both stacks exist from a thread's first look: made lazily, the first compiled call would
@@ -48,11 +51,19 @@ class Frame:
     recipe: object
     # Flat workspace dict keyed by module path, or None under autocast (no caching).
     workspaces: dict | None = None
-    # id(module) -> (its path in the model, the names of its own entries)
+    # id(module) -> (its path in the model, the names of its own entries, those its backward reads as
+    # the call was given them: grad histories, random streams)
     owners: dict = field(default_factory=dict)
     is_first_microbatch: bool | None = None
     updates: dict = field(default_factory=dict)    # entries written during this call
     level: int | None = None                       # transform_level() when the frame was pushed
+    # Whether a call that starts a step updates DelayedScaling's state: TE updates only while
+    # grad is enabled, decided when the frame opens (an activation checkpoint's no_grad
+    # forward inside a training step is still training). None: each layer's grad mode.
+    update_state: bool | None = None
+    # Called with every layer's new entries (full keys) as it commits them (tef.Stateful
+    # hears of backward-time state this way).
+    watch: Callable[[dict], None] | None = None
 
 
 @dataclass
@@ -90,14 +101,26 @@ def current_grad_scope() -> GradScope | None:
     return stack[-1] if stack else None
 
 
-def bind(module, layer: str, is_first_microbatch: bool | None):
-    """What `module` runs with: (recipe, workspace, is_first_microbatch, commit).
+class Binding(NamedTuple):
+    """What a module runs with, and where its new entries go."""
+    recipe: object
+    workspace: dict | None
+    is_first_microbatch: bool | None
+    update_state: bool | None       # whether a step start updates DelayedScaling's state (None: grad mode)
+    commit: Callable[[dict], None]
 
-    `commit(new_workspace)` hands the module's updated entries back to the frame.
+
+def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
+    """What `module` runs with, read from the innermost frame of this thread.
+
+    Without a frame a module computes in high precision, except while autograd runs a
+    backward: that is an activation checkpoint recomputing its forward, and the module then
+    replays its last call (`_replay`).
     """
     stack = _stack("frames")
     if not stack:
-        return None, None, None, _discard
+        replay = _replay(module)
+        return _NO_FRAME if replay is None else replay
     frame = stack[-1]
     if frame.workspaces is None:  # tef.autocast: quantize, cache nothing
         if isinstance(frame.recipe, DelayedScaling) and module.gemms():
@@ -112,13 +135,13 @@ def bind(module, layer: str, is_first_microbatch: bool | None):
                 f"tef.functional_call(model, params, ws, ...) or tef.Stateful(model, recipe), with ws = "
                 f"tef.init_workspaces(model, recipe), or use NVFP4BlockScaling(disable_stochastic_rounding=True) "
                 f"under tef.autocast")
-        return frame.recipe, None, None, _discard
+        return Binding(frame.recipe, None, None, None, _discard)
     owner = frame.owners.get(id(module))
     if owner is None:
         raise RuntimeError(f"{layer}: this module is not a submodule of the model passed to "
                            f"tef.functional_call, so it has no workspace entries; register it as a "
                            f"submodule of that model")
-    path, names = owner
+    path, names, as_given = owner
     prefix = f"{path}." if path else ""
     # A module called again in the same frame (a shared layer) sees what its
     # first call wrote and runs as a later microbatch of the same step: its
@@ -141,8 +164,57 @@ def bind(module, layer: str, is_first_microbatch: bool | None):
     def commit(new_workspace: dict):
         _check_level(frame, layer, path, new_workspace)
         frame.updates.update({prefix + k: v for k, v in new_workspace.items()})
+        if frame.watch is not None:
+            frame.watch({prefix + k: v for k, v in new_workspace.items()})
+        _remember(module, frame, {**new_workspace, **{n: local[n] for n in as_given}}, prefix)
 
-    return frame.recipe, local, ifm, commit
+    return Binding(frame.recipe, local, ifm, frame.update_state, commit)
+
+
+# --- activation checkpointing -----------------------------------------------------------------
+# torch.utils.checkpoint recomputes a checkpointed forward during backward, outside any
+# frame. Each eager call in a frame leaves what the module needs to compute the same
+# function again: its new entries (this step's casts and scales), with the grad histories
+# and random streams as the frame gave them (the histories' gradient carries the backward
+# amax; a stream gives the recompute's backward the numbers the call drew). The recompute runs as
+# a later microbatch of that step (casts reused, nothing rolled or updated) and commits
+# nothing; where its graph is the one backward runs (use_reentrant=True), the frame's
+# watcher hears of it, so each backward amax is recorded once. TE's te.checkpoint keeps
+# the forward's FP8 state for its recompute in the same way.
+
+class _Replay(NamedTuple):
+    recipe: object
+    workspace: dict
+    watch: Callable | None
+    prefix: str
+
+
+_last_calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_last_calls_lock = threading.Lock()
+
+
+def _remember(module, frame: Frame, entries: dict, prefix: str):
+    # Only plain eager calls: under torch.compile the recompute is traced with the forward,
+    # and under a torch.func transform the entries belong to that transform.
+    if torch.compiler.is_compiling() or frame.level is not None:
+        return
+    with _last_calls_lock:
+        _last_calls[module] = _Replay(frame.recipe, entries, frame.watch, prefix)
+
+
+def _replay(module) -> Binding | None:
+    if torch._C._current_graph_task_id() == -1:     # not inside a backward
+        return None
+    with _last_calls_lock:
+        last = _last_calls.get(module)
+    if last is None:
+        return None
+
+    def commit(new_workspace: dict):
+        if last.watch is not None:
+            last.watch({last.prefix + k: v for k, v in new_workspace.items()})
+
+    return Binding(last.recipe, last.workspace, False, False, commit)
 
 
 def _check_level(frame: Frame, layer: str, path: str, entries: dict):
@@ -167,3 +239,6 @@ def _check_level(frame: Frame, layer: str, path: str, entries: dict):
 
 def _discard(new_workspace):
     pass
+
+
+_NO_FRAME = Binding(None, None, None, None, _discard)

@@ -45,11 +45,8 @@ class GroupedLinear(TEModule):
         return grouped_gemms(self.num_gemms)
 
     def forward(self, inp: torch.Tensor, m_splits, *, is_first_microbatch: bool | None = None):
-        recipe, ws, ifm, commit = self._bind(is_first_microbatch)
-        out, new_ws = F.grouped_linear(inp, m_splits, self._weights(), self._biases(), recipe=recipe,
-                                       workspace=ws, is_first_microbatch=ifm)
-        commit(new_ws)
-        return out
+        return self._run(F.grouped_linear, inp, m_splits, self._weights(), self._biases(),
+                         is_first_microbatch=is_first_microbatch)
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "

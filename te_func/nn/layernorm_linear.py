@@ -40,13 +40,10 @@ class LayerNormLinear(TEModule):
         return LAYERNORM_LINEAR_GEMMS
 
     def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None):
-        recipe, ws, ifm, commit = self._bind(is_first_microbatch)
-        out, new_ws = F.layernorm_linear(
-            inp, self.layer_norm_weight, self.layer_norm_bias, self.weight,
-            None if self.return_bias else self.bias, eps=self.eps, normalization=self.normalization,
-            zero_centered_gamma=self.zero_centered_gamma, return_layernorm_output=self.return_layernorm_output,
-            recipe=recipe, workspace=ws, is_first_microbatch=ifm)
-        commit(new_ws)
+        out = self._run(F.layernorm_linear, inp, self.layer_norm_weight, self.layer_norm_bias, self.weight,
+                        None if self.return_bias else self.bias, eps=self.eps, normalization=self.normalization,
+                        zero_centered_gamma=self.zero_centered_gamma,
+                        return_layernorm_output=self.return_layernorm_output, is_first_microbatch=is_first_microbatch)
         out, ln_out = out if self.return_layernorm_output else (out, None)
         return te_outputs(out, self.bias, ln_out, self.return_bias, self.return_layernorm_output)
 

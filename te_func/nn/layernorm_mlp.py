@@ -47,14 +47,11 @@ class LayerNormMLP(TEModule):
         return LAYERNORM_MLP_GEMMS
 
     def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None):
-        recipe, ws, ifm, commit = self._bind(is_first_microbatch)
-        out, new_ws = F.layernorm_mlp(
-            inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias,
-            self.fc2_weight, None if self.return_bias else self.fc2_bias, eps=self.eps,
-            normalization=self.normalization, activation=self.activation,
-            zero_centered_gamma=self.zero_centered_gamma, return_layernorm_output=self.return_layernorm_output,
-            recipe=recipe, workspace=ws, is_first_microbatch=ifm)
-        commit(new_ws)
+        out = self._run(F.layernorm_mlp, inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
+                        self.fc1_bias, self.fc2_weight, None if self.return_bias else self.fc2_bias, eps=self.eps,
+                        normalization=self.normalization, activation=self.activation,
+                        zero_centered_gamma=self.zero_centered_gamma,
+                        return_layernorm_output=self.return_layernorm_output, is_first_microbatch=is_first_microbatch)
         out, ln_out = out if self.return_layernorm_output else (out, None)
         return te_outputs(out, self.fc2_bias, ln_out, self.return_bias, self.return_layernorm_output)
 

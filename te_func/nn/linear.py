@@ -7,7 +7,7 @@ from .. import functional as F
 from ..functional.linear import LINEAR_GEMMS
 from .module import TEModule, make_param, te_init
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "TransposedLinear"]
 
 
 class Linear(TEModule):
@@ -33,13 +33,33 @@ class Linear(TEModule):
         return LINEAR_GEMMS
 
     def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None):
-        recipe, ws, ifm, commit = self._bind(is_first_microbatch)
         bias = None if self.return_bias else self.bias
-        out, new_ws = F.linear(inp, self.weight, bias, recipe=recipe, workspace=ws, is_first_microbatch=ifm)
-        commit(new_ws)
-        if self.return_bias:
-            return out, self.bias
-        return out
+        out = self._run(F.linear, inp, self.weight, bias, is_first_microbatch=is_first_microbatch)
+        return (out, self.bias) if self.return_bias else out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class TransposedLinear(Linear):
+    """A Linear whose `weight` is stored (in_features, out_features), as transformers' Conv1D
+    (GPT-2's projections) stores it: y = x @ weight + bias.
+
+    `tef.convert` makes these from Conv1D so that the weight stays the same tensor, and a
+    converted model's state_dict keeps the original shapes (save_pretrained / from_pretrained
+    round-trip). The GEMM, its cast and its workspace entries are those of weight.T.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, params_dtype=None,
+                 device=None, return_bias: bool = False):
+        super().__init__(in_features, out_features, bias, params_dtype=params_dtype, device=device,
+                         return_bias=return_bias)
+        self.weight = make_param((in_features, out_features), params_dtype, device, te_init())
+
+    def gemm_weight(self, name: str) -> torch.Tensor:
+        return getattr(self, name).t()                      # (out_features, in_features), a view
+
+    def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None):
+        bias = None if self.return_bias else self.bias
+        out = self._run(F.linear, inp, self.weight.t(), bias, is_first_microbatch=is_first_microbatch)
+        return (out, self.bias) if self.return_bias else out

@@ -21,11 +21,15 @@ class TEModule(nn.Module):
         """The layer's FP8 GEMMs, as its functional op declares them."""
         return ()
 
+    def gemm_weight(self, name: str) -> torch.Tensor:
+        """The GEMM weight `name` as the GEMM reads it, (out_features, in_features)."""
+        return getattr(self, name)
+
     def workspace_spec(self, recipe) -> dict[str, Entry]:
         """Entry name -> Entry (shape, dtype, updated in backward) of every entry this layer needs."""
         spec = {}
         for g in self.gemms():
-            spec.update(g.entries(getattr(self, g.weight).shape, recipe))
+            spec.update(g.entries(self.gemm_weight(g.weight).shape, recipe))
         return spec
 
     def init_workspace(self, recipe, path: str = "") -> dict[str, torch.Tensor]:
@@ -33,11 +37,17 @@ class TEModule(nn.Module):
         random streams (seeded by `path`, the layer's module path, and each GEMM's weight name)."""
         entries = {}
         for g in self.gemms():
-            entries.update(g.write(g.init(getattr(self, g.weight), recipe, path), recipe))
+            entries.update(g.write(g.init(self.gemm_weight(g.weight), recipe, path), recipe))
         return entries
 
-    def _bind(self, is_first_microbatch):
-        return context.bind(self, type(self).__name__, is_first_microbatch)
+    def _run(self, op, *args, is_first_microbatch=None, **kwargs):
+        """Run the functional `op` on `args` with what this module's frame gives it (recipe,
+        workspace entries, is_first_microbatch), and hand its new entries back."""
+        b = context.bind(self, type(self).__name__, is_first_microbatch)
+        out, new_workspace = op(*args, recipe=b.recipe, workspace=b.workspace,
+                                is_first_microbatch=b.is_first_microbatch, update_state=b.update_state, **kwargs)
+        b.commit(new_workspace)
+        return out
 
 
 def make_param(shape, dtype, device, init=None) -> nn.Parameter:

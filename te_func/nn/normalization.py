@@ -41,11 +41,8 @@ class LayerNorm(_Norm):
         super().__init__(hidden_size, eps, zero_centered_gamma, params_dtype, device, bias=True)
 
     def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        recipe, ws, _, commit = self._bind(is_first_microbatch)
-        out, new_ws = F.layer_norm(inp, self.weight, self.bias, eps=self.eps,
-                                   zero_centered_gamma=self.zero_centered_gamma, recipe=recipe, workspace=ws)
-        commit(new_ws)
-        return out
+        return self._run(F.layer_norm, inp, self.weight, self.bias, eps=self.eps,
+                         zero_centered_gamma=self.zero_centered_gamma, is_first_microbatch=is_first_microbatch)
 
 
 class RMSNorm(_Norm):
@@ -59,8 +56,5 @@ class RMSNorm(_Norm):
         super().__init__(hidden_size, eps, zero_centered_gamma, params_dtype, device, bias=False)
 
     def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        recipe, ws, _, commit = self._bind(is_first_microbatch)
-        out, new_ws = F.rms_norm(inp, self.weight, eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
-                                 recipe=recipe, workspace=ws)
-        commit(new_ws)
-        return out
+        return self._run(F.rms_norm, inp, self.weight, eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
+                         is_first_microbatch=is_first_microbatch)

@@ -6,9 +6,14 @@ torch.compile) and its math:
     outputs         every tensor `forward` returns, by name
     differentiable  those of them that receive gradients; the others (new
                     state, what backward reads) are non-differentiable
+    carried         output name -> input name: state whose new value is known only
+                    in backward, where it comes back as that input's gradient
+                    ("overwrite with gradient"); `on_backward` hooks onto it
     saved           the inputs and outputs `backward` reads, by name
-    forward(t)                  t: input name -> tensor or None; returns output name -> tensor or None
-    backward(saved, grads, ctx) returns input name -> gradient (names left out get None)
+    forward(t)                  t: input name -> tensor, None or a size (an int, symbolic under
+                                torch.compile); returns output name -> tensor or None
+    backward(saved, grads, ctx) saved: the `saved` tensors and every size input, by name;
+                                returns input name -> gradient (names left out get None)
 
 `call(op, **tensors)` runs it and returns its outputs by name. Why one
 Function class for all ops, called like this:
@@ -22,11 +27,12 @@ Function class for all ops, called like this:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["call", "GradContext"]
+__all__ = ["call", "GradContext", "on_backward"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,10 @@ class _Boundary(torch.autograd.Function):
 
     @staticmethod
     def forward(op, names, *values):
-        out = op.forward(dict(zip(names, values)))
+        # The op's math is exact by design (an emulated FP8 GEMM accumulates in fp32):
+        # torch.autocast around a layer must not round it to bf16 behind its back.
+        with _no_autocast(values):
+            out = op.forward(dict(zip(names, values)))
         unknown = out.keys() - set(op.outputs)
         if unknown:
             raise RuntimeError(f"{type(op).__name__}.forward returned {sorted(unknown)}, not among its outputs")
@@ -56,24 +65,36 @@ class _Boundary(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         op, names, *values = inputs
         outputs = dict(zip(op.outputs, output))
-        ctx.mark_non_differentiable(*(t for k, t in outputs.items() if k not in op.differentiable and t is not None))
+        # Carried state stays "differentiable" so that it keeps this node as its grad_fn
+        # (see on_backward); nothing differentiates it, so its gradient is only ever zero.
+        keep = set(op.differentiable) | set(op.carried)
+        ctx.mark_non_differentiable(*(t for k, t in outputs.items() if k not in keep and t is not None))
         named = {**dict(zip(names, values)), **outputs}
         ctx.save_for_backward(*(named.get(k) for k in op.saved))
+        # Sizes are inputs, not part of the op's static config, so that a new size (an MoE
+        # group's token count) is a new value for torch.compile, not a new graph.
+        ctx.sizes = {k: v for k, v in zip(names, values) if isinstance(v, (int, torch.SymInt))}
         ctx.op, ctx.names = op, names
         ctx.dtypes = {k: v.dtype for k, v in zip(names, values) if isinstance(v, torch.Tensor)}
 
     @staticmethod
     def backward(ctx, *grads):
         op = ctx.op
-        saved = dict(zip(op.saved, ctx.saved_tensors))
+        saved = {**ctx.sizes, **dict(zip(op.saved, ctx.saved_tensors))}
         need = dict(zip(ctx.names, ctx.needs_input_grad[2:]))
         out_grads = {k: g for k, g in zip(op.outputs, grads) if k in op.differentiable}
-        input_grads = op.backward(saved, out_grads, GradContext(need, ctx.dtypes))
+        with _no_autocast(grads):
+            input_grads = op.backward(saved, out_grads, GradContext(need, ctx.dtypes))
         unknown = input_grads.keys() - need.keys()
         if unknown:
             raise RuntimeError(f"{type(op).__name__}.backward returned gradients of {sorted(unknown)}, "
                                f"which are not among its inputs")
         return (None, None, *(input_grads.get(k) if need[k] else None for k in ctx.names))
+
+
+def _no_autocast(values):
+    device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
+    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
 
 
 @torch._dynamo.allow_in_graph
@@ -84,3 +105,29 @@ def _apply(op, names, *values):
 def call(op, **tensors) -> dict:
     """Run `op` on `tensors` (name -> tensor or None); returns its outputs by name."""
     return dict(zip(op.outputs, _apply(op, tuple(tensors), *tensors.values())))
+
+
+def on_backward(t: torch.Tensor, fn) -> bool:
+    """When `t` is carried state of a te_func op (op.carried), call fn(new value) when that op's
+    backward runs, whichever inputs the backward was asked for (a post-hook on the op's node sees
+    every gradient it computes, also those autograd then drops). Returns whether `t` is such state.
+    """
+    node = t.grad_fn
+    op = getattr(node, "op", None)
+    if op is None or not isinstance(getattr(node, "names", None), tuple):
+        return False
+    source = op.carried.get(op.outputs[t.output_nr])
+    if source is None:
+        return False
+    # The node's gradients are those of forward's tensor inputs only, in order (autograd drops
+    # the non-tensor ones: op, names, and inputs given as None); dtypes lists exactly those.
+    tensor_inputs = list(node.dtypes)
+    if source not in tensor_inputs:
+        return False
+    index = tensor_inputs.index(source)
+
+    def hook(grad_inputs, grad_outputs):
+        if grad_inputs[index] is not None:
+            fn(grad_inputs[index])
+    node.register_hook(hook)
+    return True

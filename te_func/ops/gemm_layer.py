@@ -13,12 +13,14 @@ Tensors of a slot with prefix p (None where the recipe keeps no such state):
              p+w_amax                    NVFP4: the weight's global amax (both layouts)
              p+x_history, p+x_scale      DelayedScaling: the GEMM input's state for this step
              p+g_history, p+g_scale      ... and the output gradient's
-             p+g_sink                    the grad history's workspace entry: its "gradient" carries
-                                         the backward amax (see `backward_amax`)
+             p+g_sink                    the tensor whose "gradient" carries the backward amax
+                                         (see `backward_amax`): the grad history's workspace entry
              p+g_rng                     NVFP4's stochastic rounding: the RNG state this call's
                                          backward rounds the output gradient with (the caller
                                          keeps the next one: te_func.functional._gemm)
     outputs  p+new_x_history             the input history with this call's amax recorded
+             p+new_g_history             the grad history as this call leaves it: carried state,
+                                         whose backward-time value is g_sink's gradient
              p+x_saved, p+x_saved_scale_inv, p+x_saved_amax   what the weight-gradient GEMM reads
                                          of the input: the cast of x.T (blocks along tokens;
                                          NVFP4: of its Hadamard transform, and its global amax);
@@ -105,14 +107,12 @@ def _state(history, scale) -> DelayedState | None:
 
 
 def backward_amax(new_g) -> torch.Tensor | None:
-    """The grad history's "gradient": zeros, but for slot 0, which holds the amax this backward
-    recorded. Merged by max into whatever the history is when backward runs, it lands in the
-    current step's slot, as in TE, also when another step's forward ran in between. (NVFP4's RNG
-    state needs no such return: the forward already left the next one.)"""
-    if not isinstance(new_g, DelayedState):
-        return None
-    history = new_g.amax_history
-    return torch.cat([history[:1], torch.zeros_like(history[1:])])
+    """The grad history's "gradient": zeros but for slot 0, the amax of this backward's output
+    gradient (`backward_gemm` records it into a zero history). Merged by max into whatever the
+    history is when backward runs, it lands in the current step's slot, as in TE, also when
+    another step's forward ran in between or this backward is a checkpoint's recompute.
+    (NVFP4's RNG state needs no such return: the forward already left the next one.)"""
+    return new_g.amax_history if isinstance(new_g, DelayedState) else None
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,12 @@ class GemmSlot:
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return tuple(map(self._n, ("new_x_history", "x_saved", "x_saved_scale_inv", "x_saved_amax")))
+        return tuple(map(self._n, ("new_x_history", "new_g_history", "x_saved", "x_saved_scale_inv",
+                                   "x_saved_amax")))
+
+    @property
+    def carried(self) -> dict[str, str]:
+        return {self._n("new_g_history"): self._n("g_sink")}
 
     @property
     def saved(self) -> tuple[str, ...]:
@@ -152,9 +157,13 @@ class GemmSlot:
             ("x_history", x_history), ("x_scale", x_scale),
             ("g_sink", g_sink), ("g_history", g_history), ("g_scale", g_scale), ("g_rng", g_rng))}
 
-    def new_input_state(self, outputs: dict, x_state: DelayedState | None) -> DelayedState | None:
-        """The input role's state after the call: `x_state` with this call's amax recorded."""
-        return None if x_state is None else DelayedState(outputs[self._n("new_x_history")], x_state.scale)
+    def new_states(self, outputs: dict, x_state: DelayedState | None, g_state: DelayedState | None):
+        """The input and grad roles' states after the call: `x_state` with this call's amax
+        recorded, `g_state` as the op returned it (carried state, see above)."""
+        if x_state is None:
+            return None, g_state
+        return (DelayedState(outputs[self._n("new_x_history")], x_state.scale),
+                DelayedState(outputs[self._n("new_g_history")], g_state.scale))
 
     def forward(self, t: dict, x: torch.Tensor, bias: torch.Tensor | None):
         """x (tokens, in) -> (out (tokens, out) in x's dtype, this slot's outputs by name)."""
@@ -167,7 +176,10 @@ class GemmSlot:
                      "dequantized": (xq.data, xq.scale_inv, xq.global_amax),
                      # a view: a Function may not save an input it returns as is
                      "high_precision": (x.view_as(x), None, None)}[cfg.backward_override]
+        g_history = t[n("g_history")]
         return out, {n("new_x_history"): None if new_x is None else new_x.amax_history,
+                     # a copy: a Function may not return an input as it is
+                     n("new_g_history"): None if g_history is None else g_history.clone(),
                      **dict(zip(map(n, ("x_saved", "x_saved_scale_inv", "x_saved_amax")), saved))}
 
     def backward(self, s: dict, grad_out: torch.Tensor, need_dx: bool, dx_dtype: torch.dtype | None, ctx):
@@ -183,7 +195,12 @@ class GemmSlot:
         w_t = Quantized(s[n("w_t")], s[n("w_t_scale_inv")], cfg.weight.block, s[n("w_amax")]) if need_dx else None
         xq_t = Quantized(s[n("x_saved")], s[n("x_saved_scale_inv")], cfg.input.block,
                          s[n("x_saved_amax")]) if need_dw else None
-        g_state = s[n("g_rng")] if cfg.grad.stochastic_rounding else _state(s[n("g_history")], s[n("g_scale")])
+        if cfg.grad.stochastic_rounding:
+            g_state = s[n("g_rng")]
+        else:
+            # The amax goes into a zero history: only this backward's amax comes back (see backward_amax).
+            g_history = s[n("g_history")]
+            g_state = None if g_history is None else DelayedState(torch.zeros_like(g_history), s[n("g_scale")])
         dx, dw, new_g = backward_gemm(grad_out, w_t, xq_t, cfg, dx_dtype, ctx.dtype.get(weight), g_state)
         sink = n("g_sink")
         return dx, dw, {sink: backward_amax(new_g) if ctx.need.get(sink) else None}

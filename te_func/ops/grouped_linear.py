@@ -20,14 +20,21 @@ __all__ = ["GroupedLinearFP8"]
 
 @dataclass(frozen=True)
 class GroupedLinearFP8:
-    """inputs: x (tokens, in), weight{i} (out, in), bias{i} or None, and slot i's tensors (prefix g{i}.)."""
+    """inputs: x (tokens, in), m{i} (group i's token count), weight{i} (out, in), bias{i} or None,
+    and slot i's tensors (prefix g{i}.)."""
     slots: tuple[GemmSlot, ...]
-    m_splits: tuple[int, ...]
     differentiable = ("out",)
+
+    def _splits(self, t) -> list:
+        return [t[f"m{i}"] for i in range(len(self.slots))]
 
     @property
     def outputs(self):
         return ("out", *(k for slot in self.slots for k in slot.outputs))
+
+    @property
+    def carried(self):
+        return {k: v for slot in self.slots for k, v in slot.carried.items()}
 
     @property
     def saved(self):
@@ -35,7 +42,7 @@ class GroupedLinearFP8:
 
     def forward(self, t):
         outs, state = [], {}
-        for i, (slot, xi) in enumerate(zip(self.slots, torch.split(t["x"], list(self.m_splits)))):
+        for i, (slot, xi) in enumerate(zip(self.slots, torch.split(t["x"], self._splits(t)))):
             out, slot_out = slot.forward(t, xi, t[f"bias{i}"])                 # (m_splits[i], out)
             outs.append(out)
             state.update(slot_out)
@@ -43,7 +50,7 @@ class GroupedLinearFP8:
 
     def backward(self, s, grads, ctx):
         out, dxs = {}, []
-        for i, (slot, gi) in enumerate(zip(self.slots, torch.split(grads["out"], list(self.m_splits)))):
+        for i, (slot, gi) in enumerate(zip(self.slots, torch.split(grads["out"], self._splits(s)))):
             dx, dw, sink = slot.backward(s, gi, ctx.need["x"], ctx.dtype["x"], ctx)
             dxs.append(dx)
             out.update({f"weight{i}": dw, f"bias{i}": ctx.cast(f"bias{i}", gi.sum(0)), **sink})

@@ -28,6 +28,10 @@ class LayerNormLinearFP8:
         return ("out", "ln_out", "mean", "rsigma", *self.gemm.outputs)
 
     @property
+    def carried(self):
+        return self.gemm.carried
+
+    @property
     def saved(self):
         return ("x", "ln_weight", "mean", "rsigma", *self.gemm.saved)
 

@@ -37,6 +37,10 @@ class LayerNormMLPFP8:
         return ("out", "ln_out", "mean", "rsigma", "fc1_out", *self.fc1.outputs, *self.fc2.outputs)
 
     @property
+    def carried(self):
+        return {**self.fc1.carried, **self.fc2.carried}
+
+    @property
     def saved(self):
         return ("x", "ln_weight", "mean", "rsigma", "fc1_out", *self.fc1.saved, *self.fc2.saved)
 

@@ -23,6 +23,10 @@ class LinearFP8:
         return ("out", *self.gemm.outputs)
 
     @property
+    def carried(self):
+        return self.gemm.carried
+
+    @property
     def saved(self):
         return self.gemm.saved
 

@@ -83,9 +83,21 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, 
 
 
 def norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: NormConfig):
-    """The same norm as plain torch ops (autograd differentiates it): x (..., hidden) -> y, x's dtype."""
+    """The same norm as plain torch computes it (autograd differentiates it): x (..., hidden) -> y,
+    x's dtype. Without zero_centered_gamma it is torch's own F.layer_norm / F.rms_norm on the
+    tensors as they are, so a converted nn.LayerNorm / nn.RMSNorm gives the same bits forward
+    and backward (their kernels accumulate in fp32 themselves); with it, 1 + weight is formed
+    in fp32 and the norm runs there."""
+    shape = (x.shape[-1],)
+    # torch takes params of x's dtype, or fp32 ones for a low-precision x; other mixes
+    # (fp32 x, bf16 params) go the fp32 way below.
+    torch_takes = weight.dtype == x.dtype or (weight.dtype == torch.float32 and x.element_size() == 2)
+    if not cfg.zero_centered_gamma and torch_takes and (bias is None or bias.dtype == weight.dtype):
+        if cfg.rms:
+            return F.rms_norm(x, shape, weight, cfg.eps)
+        return F.layer_norm(x, shape, weight, bias, cfg.eps)
     ct = _compute_dtype(x)
-    gamma, shape = _gamma(weight, cfg, ct), (x.shape[-1],)
+    gamma = _gamma(weight, cfg, ct)
     if cfg.rms:
         y = F.rms_norm(x.to(ct), shape, gamma, cfg.eps)
     else:

@@ -90,9 +90,24 @@ def _blocked(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
         raise ValueError(f"block scaling needs a 2-D tensor, got shape {tuple(x.shape)}")
     (rows, cols), (br, bc) = x.shape, block
     pr, pc = -rows % br, -cols % bc
-    if pr or pc:
+    if _may_be_nonzero(pr) or _may_be_nonzero(pc):
         x = torch.nn.functional.pad(x, (0, pc, 0, pr))
     return x.reshape((rows + pr) // br, br, (cols + pc) // bc, bc)
+
+
+def _may_be_nonzero(n) -> bool:
+    # A size torch.compile keeps symbolic (a routed group's token count) is not branched
+    # on: a branch would guard on its value and recompile for every new routing.
+    return not isinstance(n, int) or n != 0
+
+
+def amax_of(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as fp32 (), NaN skipped, 0 for an empty x (a group that got no tokens)."""
+    a = abs_skipping_nan(x)
+    if isinstance(x.numel(), int):
+        return torch.amax(a) if x.numel() else a.new_zeros(())
+    # Symbolic size, possibly 0: one zero more is the reduction's identity (inductor fuses the pad).
+    return torch.nn.functional.pad(a.reshape(1, -1), (0, 1)).amax()
 
 
 def _expand(per_block: torch.Tensor, block: tuple[int, int], shape) -> torch.Tensor:
@@ -122,11 +137,6 @@ def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | None, with_tra
     return Quantized(data, scale_inv), q_t, _record_amax(state, amax) if s.rule == "delayed" else None
 
 
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| skipping NaN, fp32 (); 0 for an empty tensor."""
-    return torch.amax(abs_skipping_nan(x)) if x.numel() else torch.zeros((), device=x.device)
-
-
 def _quantize_nvfp4(x: torch.Tensor, s: Scheme, rng: torch.Tensor | None, stream: int,
                     hadamard: bool = False) -> Quantized:
     """NVFP4 cast of a 2-D x (rows, cols), as TE's quantize kernels compute it:
@@ -148,7 +158,7 @@ def _quantize_nvfp4(x: torch.Tensor, s: Scheme, rng: torch.Tensor | None, stream
                          "workspaces (tef.init_workspaces(model, recipe)), or set "
                          "NVFP4BlockScaling(disable_stochastic_rounding=True)")
     v = (nvfp4.hadamard_transform(x) if hadamard else x).float()
-    amax = _amax(v)
+    amax = amax_of(v)
     s_enc = nvfp4.global_encode_scale(amax)
     scale = nvfp4.block_decode_scale(torch.amax(abs_skipping_nan(_blocked(v, s.block)), dim=(1, 3)), s_enc)
     scaled = v * _expand(nvfp4.block_encode_scale(scale, torch.reciprocal(s_enc)), s.block, v.shape)
@@ -176,7 +186,7 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state=None):
         fused = _fused_cast(x, s, state, with_transpose=False)
         if fused is not None:
             return fused[0], fused[2]
-        amax = _amax(x)
+        amax = amax_of(x)
         if s.rule == "delayed":
             scale, new_state = state.scale, _record_amax(state, amax)
         else:

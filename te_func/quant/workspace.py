@@ -67,10 +67,12 @@ ROLES_OF_GEMM = ("input", "weight", "grad")
 
 class Entry(NamedTuple):
     """What one workspace entry must be. `backward`: its new value is computed in
-    backward and comes back as the "gradient" of the entry (see te_func.frame.grad)."""
+    backward and comes back as the "gradient" of the entry (see te_func.frame.grad).
+    `stream`: a random stream that a call hands its backward as it is and moves on."""
     shape: tuple[int, ...]
     dtype: torch.dtype
     backward: bool = False
+    stream: bool = False
 
 
 class WeightCast(NamedTuple):
@@ -165,7 +167,7 @@ class Gemm:
                 out[f"{name}_amax_history"] = Entry((recipe.amax_history_len,), torch.float32, role == "grad")
                 out[f"{name}_scale"] = Entry((), torch.float32)
         if keeps_rng(recipe):
-            out[self.rng_name] = Entry((2,), torch.int64)
+            out[self.rng_name] = Entry((2,), torch.int64, stream=True)
         return out
 
     def read(self, workspace: dict, recipe) -> GemmWorkspace:

@@ -1,0 +1,156 @@
+"""`tef.convert`: swap a model's torch layers for te_func's, in place, keeping every tensor.
+
+As torchao's `convert_to_float8_training`: each `torch.nn.Linear` becomes a
+`te_func.nn.Linear`, each transformers `Conv1D` (GPT-2's projections, weight
+stored (in, out)) a `te_func.nn.TransposedLinear`, each `torch.nn.LayerNorm`
+/ `torch.nn.RMSNorm` over one dim the te_func norm. The new layer holds the
+very Parameter objects of the old one, so values, dtype, device,
+requires_grad and tied weights (GPT-2's lm_head and embedding) are kept, and
+an optimizer made after conversion sees the same tensors. With recipe None a
+converted model computes what the original did, bit for bit.
+
+What te_func cannot run in FP8 is left as it is and reported through the
+`te_func.convert` logger (level INFO): GEMM dims that are not multiples of 16
+(TE refuses those too), parameters of other dtypes than float32 / bfloat16 /
+float16, subclasses of nn.Linear (which may rely on behaviour of their own).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .nn import LayerNorm, Linear, RMSNorm, TEModule, TransposedLinear
+
+__all__ = ["convert", "gemm_size", "fp8_pays"]
+
+log = logging.getLogger("te_func.convert")
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _conv1d_type():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except Exception:       # transformers is optional
+        return None
+    return Conv1D
+
+
+def _why_not_linear(in_f: int, out_f: int, weight: torch.Tensor) -> str | None:
+    if in_f % 16 or out_f % 16:
+        return (f"in_features={in_f}, out_features={out_f}: FP8 GEMMs need both to be multiples of 16 "
+                f"(TE refuses such layers too)")
+    if weight.dtype not in _DTYPES:
+        return f"weight dtype {weight.dtype}: te_func's FP8 layers take float32, bfloat16 and float16"
+    return None
+
+
+def _linear(old: nn.Module, transposed: bool) -> tuple[nn.Module | None, str | None]:
+    weight = old.weight
+    in_f, out_f = (weight.shape if transposed else weight.shape[::-1])
+    why = _why_not_linear(in_f, out_f, weight)
+    if why:
+        return None, why
+    cls = TransposedLinear if transposed else Linear
+    # Built on meta (no memory, no init), then given the old layer's own Parameters.
+    new = cls(in_f, out_f, bias=old.bias is not None, params_dtype=weight.dtype, device="meta")
+    new.weight, new.bias = old.weight, old.bias
+    return new, None
+
+
+def _norm(old: nn.Module) -> tuple[nn.Module | None, str | None]:
+    shape = tuple(old.normalized_shape)
+    if len(shape) != 1:
+        return None, f"normalized_shape={shape}: te_func's norms normalize over the last dim only"
+    if getattr(old, "weight", None) is None:
+        return None, "elementwise_affine=False: te_func's norms always scale by a weight"
+    if old.weight.dtype not in _DTYPES:
+        return None, f"weight dtype {old.weight.dtype}: te_func's norms take float32, bfloat16 and float16"
+    if isinstance(old, nn.LayerNorm):
+        new = LayerNorm(shape[0], eps=old.eps, params_dtype=old.weight.dtype, device="meta")
+        new.weight, new.bias = old.weight, old.bias
+    else:
+        # eps=None means "the input's dtype's epsilon" in torch; te_func computes in fp32
+        # and needs a number: that of the weight's dtype (inputs in the weight's dtype).
+        eps = torch.finfo(old.weight.dtype).eps if old.eps is None else old.eps
+        new = RMSNorm(shape[0], eps=eps, params_dtype=old.weight.dtype, device="meta")
+        new.weight = old.weight
+    return new, None
+
+
+def _replacement(module: nn.Module, conv1d) -> tuple[nn.Module | None, str | None] | None:
+    """(new layer or None, why not) for a convertible module, None for any other."""
+    if isinstance(module, TEModule):
+        return None
+    if type(module) is nn.Linear:
+        return _linear(module, transposed=False)
+    if isinstance(module, nn.Linear):       # e.g. MultiheadAttention's out_proj, read by its parent directly
+        return None, f"a subclass of torch.nn.Linear ({type(module).__name__}) may rely on behaviour of its own"
+    if conv1d is not None and isinstance(module, conv1d):
+        return _linear(module, transposed=True)
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return _norm(module)
+    return None
+
+
+def convert(model: nn.Module, *, module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+    """Swap, in place, the convertible layers of `model` for te_func's; returns `model`.
+
+    module_filter_fn(module, fqn) -> bool, as torchao's: only modules for which it returns
+    True are converted (fqn: the module's path in `model`, "" for the root). A root module
+    that is itself convertible is not swapped (there is no parent to hold the new one):
+    wrap it, e.g. in torch.nn.Sequential.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tef.convert: model must be a torch.nn.Module, got {type(model).__name__}")
+    conv1d = _conv1d_type()
+    converted, skipped = [], 0
+    for fqn, module in list(model.named_modules()):
+        if not fqn:
+            continue
+        found = _replacement(module, conv1d)
+        if found is None:
+            continue
+        if module_filter_fn is not None and not module_filter_fn(module, fqn):
+            continue
+        new, why = found
+        if new is None:
+            skipped += 1
+            log.info("tef.convert: %s (%s) stays as it is: %s", fqn, type(module).__name__, why)
+            continue
+        new.train(module.training)
+        parent_name, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+        converted.append(fqn)
+    log.info("tef.convert: %d layers converted, %d left as they are", len(converted), skipped)
+    return model
+
+
+def gemm_size(tokens: int, in_features: int, out_features: int) -> float:
+    """1 / (1/tokens + 1/in + 1/out): a GEMM's arithmetic intensity up to a constant, the same
+    for its forward, input-gradient and weight-gradient GEMMs."""
+    return 1.0 / (1.0 / tokens + 1.0 / in_features + 1.0 / out_features) if tokens and in_features and \
+        out_features else 0.0
+
+
+def fp8_pays(tokens: int, min_gemm_size: float = 2048.0) -> Callable[[nn.Module, str], bool]:
+    """A module_filter_fn that converts the Linear layers whose GEMMs are large enough for FP8 to
+    pay on its own, at `tokens` tokens per call: gemm_size(tokens, in, out) >= min_gemm_size.
+
+    2048 is where a single te_func LayerNormMLP's FP8 casts cost what FP8 saves on an H200
+    (docs/benchmarks.md). A whole model can still gain from running smaller layers in FP8
+    (fewer conversions between them): decide by measuring the whole model. Norms pass.
+    """
+    conv1d = _conv1d_type()
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        if isinstance(module, nn.Linear):
+            return gemm_size(tokens, module.in_features, module.out_features) >= min_gemm_size
+        if conv1d is not None and isinstance(module, conv1d):
+            in_f, out_f = module.weight.shape
+            return gemm_size(tokens, in_f, out_f) >= min_gemm_size
+        return True
+    return keep
