@@ -24,7 +24,8 @@ from cases import (HF_MODELS, LAYERS, RECIPES, assert_dicts_equal, assert_grads_
 BATCH = 4
 
 
-MATRIX = [pytest.param(case, recipe, id=f"{case.name}-{rid}") for case in LAYERS + HF_MODELS for rid, recipe in RECIPES]
+MATRIX = [pytest.param(case, recipe, id=f"{case.name}-{rid}") for case in LAYERS + HF_MODELS for rid, recipe in RECIPES
+          if rid not in case.skip_recipes]
 
 
 @dataclass
@@ -258,16 +259,27 @@ def test_compiled_train_step_equals_eager(case, recipe):
     assert 1 <= counter.frame_count <= 2
 
 
+# The default backend, once per base recipe on the smallest GEMM layer: an inductor compile of a
+# train step takes CI's CPU 30-90 s, so one Linear step each (the aot_eager column above covers
+# every layer, the cached-weight graph and the backward_override variants).
+_INDUCTOR_RECIPES = ("bf16", "current", "mxfp8", "block", "delayed", "nvfp4")
+# torch 2.13's C++ codegen has no float8_e8m0fnu, MXFP8's scale dtype, which the workspaces hold.
+_NO_E8M0_CODEGEN = pytest.mark.xfail(raises=torch._inductor.exc.InductorError, strict=True,
+                                     reason="inductor (torch 2.13, CPU) has no C++ type for float8_e8m0fnu")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case, recipe", [p for p in MATRIX if p.values[0].name == "Linear"
-                                          and (p.values[1] is None or p.id.endswith("-current"))])
+@pytest.mark.parametrize("case, recipe", [
+    pytest.param(*p.values, id=p.id, marks=[_NO_E8M0_CODEGEN] if p.id.endswith("-mxfp8") else [])
+    for p in MATRIX if p.values[0].name == "Linear" and p.id.split("-", 1)[1] in _INDUCTOR_RECIPES])
 def test_compiled_train_step_with_inductor(case, recipe):
-    """The default backend compiles the FP8 step on CPU too (float8 casts and _scaled_mm).
-    Inductor fuses the reductions (bias gradient, SGD update), so equal to eager up to fp32
-    rounding; the weight casts are bit-equal."""
+    """The default backend compiles the train step on CPU under every recipe (float8 casts,
+    _scaled_mm, NVFP4's uint8 codes and int64 Philox stream). Inductor fuses the reductions (bias
+    gradient, SGD update), so equal to eager up to fp32 rounding; the casts and states it
+    leaves are bit-equal."""
     torch._dynamo.reset()
     s = make_setup(case, recipe)
-    for (p_c, w_c), (p_e, w_e) in run_compiled_vs_eager(s, "inductor", steps=4):
+    for (p_c, w_c), (p_e, w_e) in run_compiled_vs_eager(s, "inductor", steps=1):
         for k in p_e:
             assert torch.allclose(p_c[k], p_e[k], rtol=1e-5, atol=1e-6), k
         assert_dicts_equal(w_c, w_e)
