@@ -6,8 +6,8 @@ starts one, cast the weight (or take the cached cast), hand the slot its
 tensors, and turn the slot's outputs into the entries the call leaves.
 
 NVFP4's stochastic rounding happens in backward, but its RNG state moves in
-forward: a call that may be differentiated hands its backward the current
-state and leaves the next one in its entries. So every backward (each
+forward: a call of a training step (a frame opened with grad enabled) hands
+its backward the current state and leaves the next one in its entries. So every backward (each
 microbatch's, each use of a shared layer) draws its own numbers, and the new
 state comes back with the forward's workspaces, in tef.grad, Stateful and
 compiled code alike, with nothing to return from backward.
