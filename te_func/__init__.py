@@ -15,7 +15,7 @@ The package's layers, each importing only those below it:
     nn/          modules: parameter holders with TE's names; forward calls one functional op
     functional/  per-op functions: tensors and an op-local workspace dict in, (out, new workspace) out
     ops/         the layers' math behind one autograd boundary: tensors in and out by name
-    gemm.py      FP8 GEMM: torch._scaled_mm where the device has it, exact emulation elsewhere
+    gemm.py      FP8 and FP4 GEMMs: torch._scaled_mm where the device has it, exact emulation elsewhere
     quant/       scaling math, quantize / dequantize, cached weight casts, delayed-scaling state,
                  and the workspace format (quant/workspace.py)
     kernels/     fused Triton casts for eager CUDA tensors, bit-identical to quant's torch code

@@ -18,12 +18,13 @@ from .functional._common import first_microbatch
 from .nn import TEModule
 from .nn.context import CallScope, Frame, open_call_scopes, push, push_call_scope
 from .quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, Entry, fingerprint_entry
-from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, fingerprint
+from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling,
+                     fingerprint)
 
 __all__ = ["init_workspaces", "functional_call", "autocast", "grad", "value_and_grad", "workspace_spec",
            "batch_scope_spec", "validate_workspaces", "backward_keys", "upgrade_workspaces"]
 
-_RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling)
+_RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling)
 
 
 def _check_recipe(recipe):
@@ -90,7 +91,7 @@ def init_workspaces(model: nn.Module, recipe) -> dict[str, torch.Tensor]:
     for path, m in _te_modules(model):
         # FSDP-sharded weights are cast whole, as one process casts them (collective: every rank calls this).
         weights = distributed.cast_sources(path, m, units)
-        ws.update({_prefix(path) + k: v for k, v in m.init_workspace(recipe, weights).items()})
+        ws.update({_prefix(path) + k: v for k, v in m.init_workspace(recipe, weights, path).items()})
     ws[RECIPE_KEY] = fingerprint_entry(recipe, _device_of(model))
     mark_static(ws.values())
     return ws
@@ -167,7 +168,7 @@ def _made_for_problem(ws: dict, recipe) -> tuple[type, str] | None:
 
 def _entry_problems(model, ws, recipe, owners: dict):
     """Yields (exception class, message) for each entry of `ws` that does not fit `model`
-    under `recipe`; fills `owners` with {id(module): (path, entry names, those updated in backward)}."""
+    under `recipe`; fills `owners` with {id(module): (path, entry names, those backward reads as given)}."""
     expected = {RECIPE_KEY}
     layers = _layer_specs(model, recipe, batch_scope=True)
     # Batch scope (te_func.vmapped) adds every batch-scope entry of the model, or none.
@@ -176,7 +177,9 @@ def _entry_problems(model, ws, recipe, owners: dict):
     for path, m, spec in layers:
         if not batch_scope:
             spec = {k: e for k, e in spec.items() if e.kind != "batch_amax"}
-        owners[id(m)] = (path, tuple(spec), tuple(k for k, e in spec.items() if e.backward))
+        # What a call's backward depends on as the call was given it: the grad histories (their
+        # gradient carries the backward amax) and the random streams (backward draws from them).
+        owners[id(m)] = (path, tuple(spec), tuple(k for k, e in spec.items() if e.backward or e.stream))
         # A model on "meta" (the usual base of a vmapped ensemble) says nothing about devices.
         device = next((p.device for p in m.parameters() if p.device.type != "meta"), None)
         for name, e in spec.items():
@@ -216,7 +219,7 @@ def validate_workspaces(model, ws, recipe):
     shape, dtype and device, no other, and was made for `recipe`; raise an error naming
     what does not fit (the recipe first, then the first entry).
 
-    Returns {id(module): (its path, its entry names, those updated in backward)} for the frame.
+    Returns {id(module): (its path, its entry names, those its backward reads as given)} for the frame.
     """
     if not isinstance(ws, dict):
         raise TypeError(f"workspaces must be the dict from tef.init_workspaces(model, recipe), got {type(ws).__name__}")

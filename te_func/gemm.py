@@ -1,4 +1,4 @@
-"""FP8 GEMM dispatch: `torch._scaled_mm` where the device has it, exact emulation elsewhere.
+"""FP8 and FP4 GEMM dispatch: `torch._scaled_mm` where the device has it, exact emulation elsewhere.
 
 Every GEMM here is `a @ b.T` with both operands quantized along K (their
 last dim), so a forward, an input-gradient and a weight-gradient GEMM all
@@ -10,7 +10,8 @@ import functools
 
 import torch
 
-from .quant import Quantized, dequantize
+from .quant import Quantized, dequantize, nvfp4
+from .quant.tensor import nvfp4_block_values
 
 __all__ = ["gemm", "native_fp8_gemm_available"]
 
@@ -84,6 +85,20 @@ def _pow2_blocks_on_gpu(a: Quantized, b: Quantized) -> bool:
             and b.scale_inv.dtype == torch.float8_e8m0fnu)
 
 
+def _nvfp4_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """NVFP4 x NVFP4 as the block-scaled FP4 tensor cores compute it: per-block products are
+    exact, they accumulate in fp32, and the epilogue multiplies by alpha = fl(fl(amax_a * amax_b)
+    * fl32(1 / (6 * 6 * 448 * 448))), TE's per-tensor scale of the GEMM
+    (compute_nvfp4_per_tensor_scale_kernel). Hopper and CPUs have no FP4 GEMM: this fp32 GEMM
+    computes the same function up to accumulation order; on a GPU its operands are exact in
+    tf32 too, so allow_tf32 changes nothing."""
+    if not (a.nvfp4 and b.nvfp4):
+        raise ValueError("an NVFP4 GEMM needs two NVFP4 operands (te_func.quant.Quantized with global_amax)")
+    acc = nvfp4_block_values(a) @ nvfp4_block_values(b).t()
+    alpha = (a.global_amax * b.global_amax) * (1.0 / (nvfp4.E2M1_MAX ** 2 * nvfp4.E4M3_MAX ** 2))
+    return (acc * alpha).to(out_dtype)
+
+
 def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool = True) -> torch.Tensor:
     """(M, K) x (N, K) -> (M, N) = dequantize(a) @ dequantize(b).T, in `out_dtype`.
 
@@ -92,10 +107,13 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool
     Float8BlockScaling's block pairs on Hopper also run in `_scaled_mm`.
     MXFP8 on a GPU without MXFP8 GEMMs dequantizes to bf16 (exact) and runs a
     bf16 GEMM. Elsewhere it dequantizes to fp32 and accumulates in fp32: the
-    same function, exactly, up to accumulation order.
+    same function, exactly, up to accumulation order. NVFP4 (E2M1 data packed two per
+    byte) is emulated everywhere, in fp32 (`_nvfp4_gemm`).
     """
     if a.data.shape[-1] != b.data.shape[-1]:
         raise ValueError(f"GEMM reduction dims differ: a {tuple(a.data.shape)}, b {tuple(b.data.shape)}")
+    if a.nvfp4 or b.nvfp4:
+        return _nvfp4_gemm(a, b, out_dtype)
     if _use_scaled_mm(a, b):
         # a row-major, b column-major (casts are made row-major; a no-op then).
         return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=a.scale_inv,

@@ -13,7 +13,9 @@ from typing import Callable
 import torch
 
 import te_func as tef
-from te_func.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from te_func.quant.workspace import keeps_rng
+from te_func.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
+                            NVFP4BlockScaling)
 
 # (id, recipe). None is high precision.
 RECIPES = [
@@ -25,6 +27,8 @@ RECIPES = [
     # TE's backward_override: the backward reads the forward's casts dequantized, or the original tensors
     ("current-bwd-dequantized", Float8CurrentScaling(backward_override="dequantized")),
     ("block-bwd-high-precision", Float8BlockScaling(backward_override="high_precision")),
+    # TE's default NVFP4: 16x16 weight blocks, stochastically rounded gradients, Hadamard-transformed wgrad
+    ("nvfp4", NVFP4BlockScaling()),
 ]
 
 
@@ -51,6 +55,10 @@ class LayerCase:
     # a HuggingFace model takes dynamo ~10-20 s per graph on CI's CPU, and a per-sample vmap
     # through it seconds per recipe.
     slow_recipes: tuple[str, ...] | None = None
+    # The recipes (ids) the row leaves out of every column: NVFP4's emulation (E2M1 GEMMs in fp32,
+    # Philox bits in int64 ops) makes a HuggingFace model's step ~10x slower on CI's CPU, and the
+    # te_func layer rows run it.
+    skip_recipes: tuple[str, ...] = ()
     # Whether torch.func.grad and eager autograd give the model's gradients bit for bit: not for
     # HF Llama, whose scaled_dot_product_attention backward torch.func runs another way (plain
     # torch shows the same difference), so those compare to fp32 rounding.
@@ -77,6 +85,15 @@ LAYERS = [
     LayerCase("LayerNormMLP-swiglu", lambda dt: tef.nn.LayerNormMLP(64, 96, normalization="RMSNorm",
                                                                     activation="swiglu", params_dtype=dt),
               _tokens(64)),
+    # clamped_swiglu's activation_params through every transform (alpha changes every output; a
+    # recipe-independent activation, so three recipes: none, tensor-wise, delayed). The limit sits
+    # past most of fc1's outputs: a clamp's derivative is a step, which FP8 noise crosses as it
+    # crosses relu's; tests/test_layers.py checks the clamps against float64.
+    LayerCase("LayerNormMLP-clamped_swiglu",
+              lambda dt: tef.nn.LayerNormMLP(64, 96, activation="clamped_swiglu",
+                                             activation_params={"limit": 2.0, "alpha": 1.5}, params_dtype=dt),
+              _tokens(64), skip_recipes=("mxfp8", "block", "current-bwd-dequantized", "block-bwd-high-precision",
+                                         "nvfp4")),
     LayerCase("GroupedLinear", lambda dt: tef.nn.GroupedLinear(3, 64, 48, params_dtype=dt), _grouped_inputs,
               per_sample=False),
 ]
@@ -117,17 +134,22 @@ try:
         # The slow columns run one tensor-wise recipe per model (CI time); the te_func layer rows
         # above run them under every recipe.
         LayerCase("HF-Llama", _converted(tiny_llama), _token_ids, output=lambda out: out.logits, keepdim=True,
-                  slow_recipes=("current",), exact_grads=False, members=2),
+                  slow_recipes=("current",), exact_grads=False, members=2, skip_recipes=("nvfp4",)),
         LayerCase("HF-GPT2", _converted(tiny_gpt2), _token_ids, output=lambda out: out.logits, keepdim=True,
-                  slow_recipes=("delayed",), members=2),
+                  slow_recipes=("delayed",), members=2, skip_recipes=("nvfp4",)),
     ]
 except ImportError:      # the test extra installs transformers; without it these rows drop out
     HF_MODELS = []
 
 
 def needs_state(recipe) -> bool:
-    """Whether `recipe` keeps state between steps, so it cannot run under tef.autocast."""
-    return isinstance(recipe, DelayedScaling)
+    """Whether `recipe` keeps state between steps, so it cannot run under tef.autocast: DelayedScaling's
+    amax histories, the random streams of NVFP4's stochastic rounding."""
+    return isinstance(recipe, DelayedScaling) or keeps_rng(recipe)
+
+
+def is_fp4(recipe) -> bool:
+    return isinstance(recipe, NVFP4BlockScaling)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

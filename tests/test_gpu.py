@@ -11,7 +11,7 @@ import torch
 
 import te_func as tef
 import te_func.gemm as gemm_module
-from cases import RECIPES, detached_params, needs_state, sqnr
+from cases import RECIPES, detached_params, is_fp4, needs_state, sqnr
 from te_func.quant import dequantize, quantize, quantize_with_transpose, scheme_for
 from te_func.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
@@ -106,6 +106,8 @@ def test_native_gemm_bf16_output(cuda, recipe):
 # blockwise 28.4 / (see test_native_gemm_with_transposed_weight_cast) / 28.4 dB. Gradients of
 # current and delayed scaling are E5M2 (HYBRID): 4 dB less.
 LINEAR_CUDA_MIN_DB = {"out": 25.0, "dgrad": 21.0, "wgrad": 21.0}
+# NVFP4 runs the same emulated math everywhere: measured on CPU (torch 2.13, 4 seeds), 16.6 / 15.0 / 15.5.
+LINEAR_CUDA_MIN_DB_FP4 = {"out": 13.5, "dgrad": 12.0, "wgrad": 12.5}
 
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
@@ -133,10 +135,11 @@ def test_linear_bf16_on_cuda_matches_float64(cuda, recipe):
 
     out, dx, grads = run(layer, recipe, x)
     ref_out, ref_dx, ref_grads = run(copy.deepcopy(layer).double(), None, x.double())
+    bars = LINEAR_CUDA_MIN_DB_FP4 if is_fp4(recipe) else LINEAR_CUDA_MIN_DB
     assert out.dtype == dx.dtype == grads["weight"].dtype == torch.bfloat16
-    assert sqnr(ref_out, out) >= LINEAR_CUDA_MIN_DB["out"], sqnr(ref_out, out)
-    assert sqnr(ref_dx, dx) >= LINEAR_CUDA_MIN_DB["dgrad"], sqnr(ref_dx, dx)
-    assert sqnr(ref_grads["weight"], grads["weight"]) >= LINEAR_CUDA_MIN_DB["wgrad"]
+    assert sqnr(ref_out, out) >= bars["out"], sqnr(ref_out, out)
+    assert sqnr(ref_dx, dx) >= bars["dgrad"], sqnr(ref_dx, dx)
+    assert sqnr(ref_grads["weight"], grads["weight"]) >= bars["wgrad"]
 
 
 @pytest.mark.parametrize("recipe", [pytest.param(r, id=rid) for rid, r in RECIPES])

@@ -15,13 +15,17 @@ import pytest
 import torch
 
 import te_func as tef
-from cases import HF_MODELS, RECIPES, assert_grads_match, bits, needs_state, tiny_gpt2, tiny_llama, VOCAB
+from te_func.recipe import DelayedScaling
+from cases import HF_MODELS, RECIPES, assert_grads_match, bits, is_fp4, tiny_gpt2, tiny_llama, VOCAB
 
 transformers = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
 FP8 = [pytest.param(r, id=rid) for rid, r in RECIPES if r is not None]
+# NVFP4's emulated GEMMs and random bits cost ~100 s for the training run below on CI's CPU;
+# tests/test_nvfp4.py trains under it.
+FP8_NOT_FP4 = [p for p in FP8 if not is_fp4(p.values[0])]
 
 
 def ids(batch=2, seq=16):
@@ -119,7 +123,7 @@ def _train(model, recipe, data, steps=6):
     return losses, shell
 
 
-@pytest.mark.parametrize("recipe", FP8)
+@pytest.mark.parametrize("recipe", FP8_NOT_FP4)
 @pytest.mark.parametrize("name", MODELS)
 def test_training_under_every_recipe_tracks_the_high_precision_run(name, recipe):
     base = tef.convert(MODELS[name]())
@@ -132,7 +136,7 @@ def test_training_under_every_recipe_tracks_the_high_precision_run(name, recipe)
     # all recipes and both models.
     assert all(abs(a - b) / b < 0.08 for a, b in zip(fp8, hp)), list(zip(fp8, hp))
     assert abs(fp8[-1] - hp[-1]) / hp[-1] < 0.06
-    if needs_state(recipe):
+    if isinstance(recipe, DelayedScaling):
         assert shell.workspaces["model.layers.0.mlp.down_proj.grad_amax_history" if name == "llama"
                                 else "transformer.h.0.mlp.c_proj.grad_amax_history"][0] > 0
 

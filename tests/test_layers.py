@@ -50,12 +50,23 @@ def ref_norm(x, weight, bias, eps=1e-5, rms=False, zero_centered_gamma=False):
 
 
 _BASE = {"gelu": lambda h: F.gelu(h, approximate="tanh"), "qgelu": lambda h: h * torch.sigmoid(1.702 * h),
-         "relu": F.relu, "srelu": lambda h: (h > 0) * h * h, "silu": F.silu}
-_GATED = {"geglu": "gelu", "qgeglu": "qgelu", "reglu": "relu", "sreglu": "srelu", "swiglu": "silu"}
+         "relu": F.relu, "srelu": lambda h: (h > 0) * h * h, "silu": F.silu, "sigmoid": torch.sigmoid}
+_GATED = {"geglu": "gelu", "glu": "sigmoid", "qgeglu": "qgelu", "reglu": "relu", "sreglu": "srelu",
+          "swiglu": "silu", "clamped_swiglu": None}
 
 
-def ref_act(name, h, relu_mask=None):
-    """relu_mask: evaluate relu as h * mask, i.e. with the derivative's branch taken from `mask`."""
+def _clamped_swiglu(a, gate, limit=7.0, alpha=1.702, glu_linear_offset=1.0):
+    # GPT-OSS's SwiGLU as TE defines it: qgelu (with alpha) of a clamped from above, times the gate
+    # clamped to [-limit, limit] plus the offset.
+    a = torch.clamp(a, max=limit)
+    return a * torch.sigmoid(alpha * a) * (torch.clamp(gate, -limit, limit) + glu_linear_offset)
+
+
+def ref_act(name, h, relu_mask=None, params=None):
+    """relu_mask: evaluate relu as h * mask, i.e. with the derivative's branch taken from `mask`.
+    params: clamped_swiglu's activation_params."""
+    if name == "clamped_swiglu":
+        return _clamped_swiglu(*h.chunk(2, dim=-1), **(params or {}))
     fn = _BASE[_GATED.get(name, name)]
     if relu_mask is not None:
         fn = lambda a: a * relu_mask  # noqa: E731
@@ -65,10 +76,10 @@ def ref_act(name, h, relu_mask=None):
     return fn(h)
 
 
-def ref_mlp(x, p, activation, normalization="LayerNorm", relu_mask=None):
+def ref_mlp(x, p, activation, normalization="LayerNorm", relu_mask=None, params=None):
     ln = ref_norm(x, p["layer_norm_weight"], p.get("layer_norm_bias"), rms=normalization == "RMSNorm")
     h = ln @ p["fc1_weight"].T + p["fc1_bias"]
-    return ref_act(activation, h, relu_mask) @ p["fc2_weight"].T + p["fc2_bias"]
+    return ref_act(activation, h, relu_mask, params) @ p["fc2_weight"].T + p["fc2_bias"]
 
 
 # --- running a layer -------------------------------------------------------------------------
@@ -191,14 +202,57 @@ def test_layernorm_mlp_rmsnorm_bf16_matches_float64(recipe):
         check(recipe, out, grads, ref_out, ref_grads)
 
 
-def test_activations_backward_matches_autograd_of_forward():
-    from te_func.ops.activations import activation_backward, activation_forward
-    for name in ACTIVATIONS:
-        h = torch.randn(16, 2 * FFN, dtype=torch.float64, requires_grad=True)
-        dy = torch.randn(16, FFN if name in _GATED else 2 * FFN, dtype=torch.float64)
-        (want,) = torch.autograd.grad(ref_act(name, h), h, dy)
-        assert torch.allclose(activation_forward(name, h), ref_act(name, h), rtol=1e-12, atol=1e-12), name
-        assert torch.allclose(activation_backward(name, dy, h.detach()), want, rtol=1e-10, atol=1e-12), name
+# clamped_swiglu with TE's defaults, and with a limit the inputs below cross on both sides
+# (its clamps and their zero derivatives at work).
+_ACTIVATION_CASES = [(name, None) for name in ACTIVATIONS] + [
+    ("clamped_swiglu", {"limit": 0.75, "alpha": 1.0, "glu_linear_offset": 0.5})]
+
+
+@pytest.mark.parametrize("name, params", _ACTIVATION_CASES, ids=[f"{n}-{p}" for n, p in _ACTIVATION_CASES])
+def test_activation_and_its_backward_match_float64_formulas(name, params):
+    from te_func.ops.activations import activation_backward, activation_forward, activation_spec
+    act = activation_spec(name, params)
+    h = (2 * torch.randn(16, 2 * FFN, dtype=torch.float64)).requires_grad_()
+    dy = torch.randn(16, FFN if name in _GATED else 2 * FFN, dtype=torch.float64)
+    (want,) = torch.autograd.grad(ref_act(name, h, params=params), h, dy)
+    assert torch.allclose(activation_forward(act, h), ref_act(name, h, params=params), rtol=1e-12, atol=1e-12)
+    assert torch.allclose(activation_backward(act, dy, h.detach()), want, rtol=1e-10, atol=1e-12)
+    if params is not None:        # the clamps were crossed, so their branches were tested
+        a, gate = h.detach().chunk(2, dim=-1)
+        assert (a > params["limit"]).any() and (gate.abs() > params["limit"]).any()
+    # fp32 input: computed in fp32, returned in fp32, within fp32 rounding of float64
+    h32 = h.detach().float()
+    assert activation_forward(act, h32).dtype == torch.float32
+    assert sqnr(ref_act(name, h.detach(), params=params), activation_forward(act, h32)) > 120
+
+
+def test_glu_is_te_s_not_torch_s():
+    # TE's glu is sigmoid(first half) * second half; torch's F.glu gates the other way round.
+    from te_func.ops.activations import activation_forward, activation_spec
+    h = torch.randn(8, 2 * FFN, dtype=torch.float64)
+    a, b = h.chunk(2, dim=-1)
+    assert torch.allclose(activation_forward(activation_spec("glu"), h), torch.sigmoid(a) * b, rtol=1e-14)
+    assert not torch.allclose(activation_forward(activation_spec("glu"), h), F.glu(h, dim=-1))
+
+
+def test_layernorm_mlp_activation_params():
+    params = {"limit": 0.5, "alpha": 1.5}
+    m = perturbed(tef.nn.LayerNormMLP(HIDDEN, FFN, activation="clamped_swiglu", activation_params=params))
+    assert m.fc1_weight.shape == (2 * FFN, HIDDEN)
+    x = torch.randn(TOKENS, HIDDEN)
+    for recipe in (None, tef.recipe.Float8CurrentScaling()):
+        out, cot, grads = run(m, recipe, x)
+        ref_out, ref_grads = reference_grads(lambda x, p: ref_mlp(x, p, "clamped_swiglu", params=params), x,
+                                             dict(m.named_parameters()), cot)
+        # A clamp's derivative is a step, as relu's: under FP8 only the forward and fc2's
+        # gradients are held to the bars (see test_layernorm_mlp_matches_float64).
+        check(recipe, out, grads, ref_out, ref_grads, names=None if recipe is None else ["fc2_weight", "fc2_bias"])
+    with pytest.raises(ValueError, match="takes no activation_params; got 'limit'"):
+        tef.nn.LayerNormMLP(HIDDEN, FFN, activation="swiglu", activation_params={"limit": 1.0})
+    with pytest.raises(ValueError, match="takes only limit, alpha, glu_linear_offset; got 'beta'"):
+        tef.nn.LayerNormMLP(HIDDEN, FFN, activation="clamped_swiglu", activation_params={"beta": 1.0})
+    with pytest.raises(ValueError, match="must be positive"):
+        tef.nn.LayerNormMLP(HIDDEN, FFN, activation="clamped_swiglu", activation_params={"limit": -1.0})
 
 
 # --- options and return conventions --------------------------------------------------------
@@ -280,6 +334,25 @@ def test_grouped_linear_equals_a_loop_of_linear(as_tensor, splits, recipe):
     assert torch.equal(out, ref)
     for a, b in zip(got, want):     # both orders: x, weight0, bias0, weight1, ...
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", [None, FP8_RECIPES[0][1]], ids=["bf16", "current"])
+def test_grouped_linear_return_bias_returns_the_per_gemm_biases_unadded(recipe):
+    plain = perturbed(tef.nn.GroupedLinear(3, HIDDEN, 48))
+    rb = tef.nn.GroupedLinear(3, HIDDEN, 48, return_bias=True)
+    rb.load_state_dict(plain.state_dict())
+    x, splits = torch.randn(TOKENS, HIDDEN), [10, 0, 22]
+    with tef.autocast(recipe) if recipe else contextlib.nullcontext():
+        full = plain(x, splits)
+        out, biases = rb(x, splits)
+    # As TE: a list with one bias per GEMM, the parameters themselves, not added to the output.
+    assert isinstance(biases, list) and all(b is getattr(rb, f"bias{i}") for i, b in enumerate(biases))
+    added = out + torch.cat([b.expand(n, -1) for b, n in zip(biases, splits)])
+    assert torch.allclose(added, full, atol=1e-5)
+    (gb,) = torch.autograd.grad(added.sum(), [biases[2]])      # the caller's addition trains them
+    assert torch.equal(gb, torch.full((48,), 22.0))
+    no_bias = tef.nn.GroupedLinear(3, HIDDEN, 48, bias=False, return_bias=True)
+    assert no_bias(x, splits)[1] == [None, None, None]
 
 
 def test_grouped_linear_workspace_has_a_cast_per_gemm():

@@ -14,7 +14,7 @@ import torch
 
 import te_func as tef
 from cases import sqnr
-from te_func.ops.activations import ACTIVATIONS, activation_backward, activation_forward
+from te_func.ops.activations import ACTIVATIONS, activation_backward, activation_forward, activation_spec
 from te_func.recipe import DelayedScaling
 from test_delayed import assert_state_matches, first_flag, simulate
 from test_layers import perturbed, ref_act, ref_mlp, ref_norm, reference_grads
@@ -174,12 +174,12 @@ class _ActivationFn(torch.autograd.Function):
     def forward(ctx, h, name):
         ctx.save_for_backward(h)
         ctx.name = name
-        return activation_forward(name, h)
+        return activation_forward(activation_spec(name), h)
 
     @staticmethod
     def backward(ctx, grad):
         (h,) = ctx.saved_tensors
-        return activation_backward(ctx.name, grad, h), None
+        return activation_backward(activation_spec(ctx.name), grad, h), None
 
 
 def _observed_amaxes(mlp, activation, data):

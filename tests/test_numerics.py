@@ -4,7 +4,7 @@ The reference is the same module with recipe None on float64 copies of the
 parameters and inputs. SQNR = 20 log10(||ref|| / ||out - ref||). Thresholds
 sit a few dB under the values measured here (torch 2.13 CPU; the measured
 value is next to each) and never under torchao's (18 dB forward, 17 dB
-weight gradient).
+weight gradient), but for NVFP4: 4-bit values cannot reach bars set for FP8.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import te_func as tef
-from cases import LAYERS, RECIPES, detached_params, sqnr
+from cases import LAYERS, RECIPES, detached_params, is_fp4, sqnr
 
 BATCH = 4
 TORCHAO_MIN = {"out": 18.0, "dgrad": 17.0, "wgrad": 17.0}
@@ -50,6 +50,15 @@ THRESHOLDS = {
     ("LayerNormMLP-gelu", "delayed"): dict(out=22, dgrad=18.4, wgrad=17.5),  # 25.0 / 21.4 / 20.5
     ("LayerNormMLP-swiglu", "delayed"): dict(out=20, dgrad=17.5, wgrad=17.1),  # 23.2 / 20.5 / 20.1
     ("GroupedLinear", "delayed"): dict(out=25, dgrad=21, wgrad=21),        # 28.4 / 24.3 / 24.0
+    # NVFP4 (E2M1 values, 16x16 weight blocks, stochastically rounded gradients, Hadamard-transformed
+    # weight-gradient operands), min over 12 seeds; a single E2M1 cast of a Gaussian is ~20.7 dB,
+    # stochastic rounding ~17.4 dB.
+    **{(norm, "nvfp4"): _NORM_ONLY for norm in ("LayerNorm", "RMSNorm")},
+    ("Linear", "nvfp4"): dict(out=13, dgrad=11.5, wgrad=12.5),             # 16.3 / 14.6 / 15.4 weight
+    ("LayerNormLinear", "nvfp4"): dict(out=13, dgrad=11.5, wgrad=10),      # 16.4 / 14.6 / 13.1 ln weight
+    ("LayerNormMLP-gelu", "nvfp4"): dict(out=10, dgrad=8.5, wgrad=7),      # 13.3 / 11.3 / 10.0 ln bias
+    ("LayerNormMLP-swiglu", "nvfp4"): dict(out=8.5, dgrad=7.5, wgrad=5),   # 11.3 / 10.5 / 7.7 ln weight
+    ("GroupedLinear", "nvfp4"): dict(out=13, dgrad=11.5, wgrad=12.5),      # 16.4 / 14.5 / 15.6 weight2
 }
 
 
@@ -98,6 +107,7 @@ def test_fp8_layer_matches_float64(case, rid, recipe):
     got = {"out": sqnr(ref_out, out), "dgrad": sqnr(ref_dx, dx)}
     got.update({f"wgrad.{k}": sqnr(ref_grads[k], grads[k]) for k in ref_grads})
     want = THRESHOLDS.get((case.name, rid), {})
+    floor = {} if is_fp4(recipe) else TORCHAO_MIN
     for k, db in got.items():
         kind = k.split(".")[0]      # out, dgrad or wgrad
-        assert db >= max(want.get(kind, 0), TORCHAO_MIN[kind]), f"{k}: {db:.1f} dB"
+        assert db >= max(want.get(kind, 0), floor.get(kind, 0)), f"{k}: {db:.1f} dB"

@@ -155,3 +155,17 @@ def test_backward_override_dequantized_differentiates_the_forwards_casts(recipe)
     none, _ = _linear_grads(recipe, x, dy, layer)          # and it is not the FP8 backward
     assert not torch.equal(none["weight"], grads["weight"])
     assert isinstance(xq, Quantized)
+
+
+def test_docs_table_names_every_field_of_every_recipe():
+    # docs/recipes.md's table of fields: each field of each recipe has a row that applies to it.
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "recipes.md").read_text()
+    rows = [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| ") and "`" in line]
+    for cls in TE_DEFAULTS:
+        name = cls.__name__
+        for f in dataclasses.fields(cls):
+            applies = [fields for who, fields in rows
+                       if name in who or who.strip() == "all" or (who.strip() == "all but NVFP4" and "NVFP4" not in name)]
+            assert any(f"`{f.name}`" in re.sub(r"\(.*?\)", "", fields) for fields in applies), (name, f.name)

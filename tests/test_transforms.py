@@ -20,14 +20,15 @@ import torch
 import torch._dynamo.testing
 
 import te_func as tef
-from cases import (HF_MODELS, LAYERS, RECIPES, assert_dicts_equal, assert_grads_match, bits, detached_params,
+from cases import (HF_MODELS, LAYERS, RECIPES, assert_dicts_equal, assert_grads_match, bits, detached_params, is_fp4,
                    needs_state, sqnr)
 from te_func.recipe import Float8BlockScaling, MXFP8BlockScaling
 
 BATCH = 4
 
 
-MATRIX = [pytest.param(case, recipe, id=f"{case.name}-{rid}") for case in LAYERS + HF_MODELS for rid, recipe in RECIPES]
+MATRIX = [pytest.param(case, recipe, id=f"{case.name}-{rid}") for case in LAYERS + HF_MODELS for rid, recipe in RECIPES
+          if rid not in case.skip_recipes]
 
 
 @dataclass
@@ -178,8 +179,11 @@ def test_grad_equals_eager_backward(case, recipe):
 # seeds (Linear 64->48, 4x8 tokens, torch 2.13 CPU), weight / bias, min (mean), per-sample sum vs
 # batch FP8: current 24.1 (24.5) vs 24.1 (24.6) / 40.2 (42.7); MXFP8 and blockwise 27.8 (28.3) vs
 # 27.8 (28.3) / 41.0 (43.5) dB.
+# NVFP4 (4-bit values; min over 6 seeds, per-sample sum vs batch): Linear 17.6 vs 14.8, LayerNormLinear
+# 12.1 vs 12.4, LayerNormMLP gelu 9.9 vs 9.2, swiglu 8.6 vs 8.6 dB: its floor sits under those.
 PER_SAMPLE_SLACK_DB = 3.0
 PER_SAMPLE_FLOOR_DB = 17.0      # torchao's weight-gradient minimum
+PER_SAMPLE_FLOOR_DB_FP4 = 6.0
 
 
 def _split(inputs, i):
@@ -210,9 +214,10 @@ def test_vmap_per_sample_grads(case, recipe):
         return
     ref, params64, ws64 = float64_reference(s)
     exact, _ = tef.grad(ref.loss_fn)(params64, ws64, ref.inputs, ref.target)
+    floor = PER_SAMPLE_FLOOR_DB_FP4 if is_fp4(recipe) else PER_SAMPLE_FLOOR_DB
     for k in params:
         got, want = sqnr(exact[k], per_sample[k].sum(0)), sqnr(exact[k], batch[k])
-        assert got >= max(want - PER_SAMPLE_SLACK_DB, PER_SAMPLE_FLOOR_DB), (k, got, want)
+        assert got >= max(want - PER_SAMPLE_SLACK_DB, floor), (k, got, want)
 
 
 @pytest.mark.parametrize("case, recipe", MATRIX)
@@ -388,16 +393,27 @@ def test_compiled_train_step_equals_eager(case, recipe):
     assert 1 <= counter.frame_count <= 2
 
 
+# The default backend, once per base recipe on the smallest GEMM layer: an inductor compile of a
+# train step takes CI's CPU 30-90 s, so one Linear step each (the aot_eager column above covers
+# every layer, the cached-weight graph and the backward_override variants).
+_INDUCTOR_RECIPES = ("bf16", "current", "mxfp8", "block", "delayed", "nvfp4")
+# torch 2.13's C++ codegen has no float8_e8m0fnu, MXFP8's scale dtype, which the workspaces hold.
+_NO_E8M0_CODEGEN = pytest.mark.xfail(raises=torch._inductor.exc.InductorError, strict=True,
+                                     reason="inductor (torch 2.13, CPU) has no C++ type for float8_e8m0fnu")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case, recipe", [p for p in MATRIX if p.values[0].name == "Linear"
-                                          and (p.values[1] is None or p.id.endswith("-current"))])
+@pytest.mark.parametrize("case, recipe", [
+    pytest.param(*p.values, id=p.id, marks=[_NO_E8M0_CODEGEN] if p.id.endswith("-mxfp8") else [])
+    for p in MATRIX if p.values[0].name == "Linear" and p.id.split("-", 1)[1] in _INDUCTOR_RECIPES])
 def test_compiled_train_step_with_inductor(case, recipe):
-    """The default backend compiles the FP8 step on CPU too (float8 casts and _scaled_mm).
-    Inductor fuses the reductions (bias gradient, SGD update), so equal to eager up to fp32
-    rounding; the weight casts are bit-equal."""
+    """The default backend compiles the train step on CPU under every recipe (float8 casts,
+    _scaled_mm, NVFP4's uint8 codes and int64 Philox stream). Inductor fuses the reductions (bias
+    gradient, SGD update), so equal to eager up to fp32 rounding; the casts and states it
+    leaves are bit-equal."""
     torch._dynamo.reset()
     s = make_setup(case, recipe)
-    for (p_c, w_c), (p_e, w_e) in run_compiled_vs_eager(s, "inductor", steps=4):
+    for (p_c, w_c), (p_e, w_e) in run_compiled_vs_eager(s, "inductor", steps=1):
         for k in p_e:
             assert torch.allclose(p_c[k], p_e[k], rtol=1e-5, atol=1e-6), k
         assert_dicts_equal(w_c, w_e)

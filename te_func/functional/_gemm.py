@@ -4,6 +4,13 @@ Every GEMM layer's function does, per GEMM: read the GEMM's workspace
 (te_func.quant.workspace.Gemm), start a DelayedScaling step when the call
 starts one, cast the weight (or take the cached cast), hand the slot its
 tensors, and turn the slot's outputs into the entries the call leaves.
+
+NVFP4's stochastic rounding happens in backward, but its RNG state moves in
+forward: a call of a training step (a frame opened with grad enabled) hands
+its backward the current state and leaves the next one in its entries. So every backward (each
+microbatch's, each use of a shared layer) draws its own numbers, and the new
+state comes back with the forward's workspaces, in tef.grad, Stateful and
+compiled code alike, with nothing to return from backward.
 """
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import GemmConfig, GemmSlot
-from ..quant import DelayedState, Gemm, GemmWorkspace, cast_weight, delayed_update
+from ..quant import DelayedState, Gemm, GemmWorkspace, advance_rng, cast_weight, delayed_update
 from ..recipe import DelayedScaling
 from ._common import needs_weight_grad
 
@@ -25,8 +32,13 @@ def starts_step(is_first_microbatch: bool | None, update_state: bool | None = No
     scales and add their amaxes to the current slot by max. As in TE, nothing updates
     while grad is disabled: an evaluation under no_grad records its amaxes and leaves
     the scales as they are. `update_state` says so explicitly (None: the grad mode now)."""
-    update = torch.is_grad_enabled() if update_state is None else update_state
-    return is_first_microbatch is not False and update
+    return is_first_microbatch is not False and _trains(update_state)
+
+
+def _trains(update_state: bool | None) -> bool:
+    # Whether this call is part of a training step: the frame decides when it opens (an
+    # activation checkpoint's no_grad forward inside a step still trains), else the grad mode.
+    return torch.is_grad_enabled() if update_state is None else update_state
 
 
 def _step_state(state, recipe, role: str, start: bool):
@@ -47,6 +59,7 @@ class GemmStep:
     slot: GemmSlot
     state: GemmWorkspace           # the cast this call uses, the states it quantizes with
     sink: torch.Tensor | None      # the raw grad record entry (see te_func.ops.gemm_layer)
+    next_rng: torch.Tensor | None = None    # the RNG state the call leaves (NVFP4)
 
     @classmethod
     def begin(cls, gemm: Gemm, weight: torch.Tensor, recipe, workspace: dict, is_first_microbatch,
@@ -59,13 +72,16 @@ class GemmStep:
         cfg = GemmConfig.of(recipe, save_input=needs_weight_grad(weight))
         cast, weight_state, _ = cast_weight(weight, cfg.weight, gw.cast, is_first_microbatch, gw.weight)
         slot = GemmSlot(cfg, gemm.weight, prefix)
-        return cls(gemm, recipe, slot, gw._replace(cast=cast, weight=weight_state), sink)
+        # Only a call of a training step moves the stream (as TE draws only when it rounds):
+        # an evaluation under no_grad leaves it where it was.
+        next_rng = advance_rng(gw.rng) if gw.rng is not None and _trains(update_state) else gw.rng
+        return cls(gemm, recipe, slot, gw._replace(cast=cast, weight=weight_state), sink, next_rng)
 
     def tensors(self) -> dict:
         """The slot's inputs by name."""
-        return self.slot.inputs(self.state.cast, self.state.input, self.state.grad, self.sink)
+        return self.slot.inputs(self.state.cast, self.state.input, self.state.grad, self.sink, self.state.rng)
 
     def entries(self, outputs: dict) -> dict:
         """The op-local workspace entries this call leaves, from the op's outputs."""
         x_state, g_state = self.slot.new_states(outputs, self.state.input, self.state.grad)
-        return self.gemm.write(self.state._replace(input=x_state, grad=g_state), self.recipe)
+        return self.gemm.write(self.state._replace(input=x_state, grad=g_state, rng=self.next_rng), self.recipe)

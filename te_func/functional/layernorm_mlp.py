@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import LayerNormMLPFP8, call
-from ..ops.activations import activation_reference, check_activation, is_gated
+from ..ops.activations import activation_reference, activation_spec, is_gated
 from ..ops.normalization import norm_reference
 from ..quant import Gemm
 from ._common import autocast_input, check_input, first_microbatch
@@ -31,7 +31,7 @@ def _check_shapes(layer, hidden, fc1_weight, fc2_weight, activation):
 def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor | None,
                   fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None, fc2_weight: torch.Tensor,
                   fc2_bias: torch.Tensor | None = None, *, eps: float = 1e-5, normalization: str = "LayerNorm",
-                  activation: str = "gelu", zero_centered_gamma: bool = False,
+                  activation: str = "gelu", activation_params: dict | None = None, zero_centered_gamma: bool = False,
                   return_layernorm_output: bool = False, recipe=None, workspace: dict | None = None,
                   is_first_microbatch: bool | None = None, update_state: bool | None = None):
     """y = fc2(act(fc1(norm(inp)))), the GEMMs in FP8 per `recipe` (None: plain torch ops).
@@ -39,13 +39,15 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
     inp: (..., hidden); ln_weight, ln_bias: (hidden,) (ln_bias None for RMSNorm);
     fc1_weight: (ffn, hidden), or (2 * ffn, hidden) for a gated activation; fc1_bias: (fc1 width,);
     fc2_weight: (hidden, ffn); fc2_bias: (hidden,).
+    activation_params: as TE's, clamped_swiglu's `limit`, `alpha`, `glu_linear_offset`
+    (defaults 7.0, 1.702, 1.0); other activations take none.
     workspace: this op's entries (te_func.quant.workspace), or None to start empty.
     update_state: as `te_func.functional.linear`'s.
     Returns `(out, new_workspace)`, out (..., hidden) in inp's dtype, or
     `((out, ln_out), new_workspace)` with return_layernorm_output.
     """
     layer = "LayerNormMLP"
-    check_activation(activation, layer)
+    act = activation_spec(activation, activation_params, layer)
     hidden = fc1_weight.shape[1]
     check_input(layer, inp, hidden, {"layer_norm_weight": ln_weight, "layer_norm_bias": ln_bias,
                                      "fc1_weight": fc1_weight, "fc1_bias": fc1_bias,
@@ -58,7 +60,7 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
         ln_out = norm_reference(inp, ln_weight, ln_bias, norm_cfg)
         cast = lambda t: None if t is None else t.to(inp.dtype)  # noqa: E731
         fc1_out = F.linear(ln_out, cast(fc1_weight), cast(fc1_bias))
-        out = F.linear(activation_reference(activation, fc1_out), cast(fc2_weight), cast(fc2_bias))
+        out = F.linear(activation_reference(act, fc1_out), cast(fc2_weight), cast(fc2_bias))
         entries = {}
     else:
         ifm = first_microbatch(is_first_microbatch, layer)
@@ -66,7 +68,7 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
                     for g, w, name in zip(LAYERNORM_MLP_GEMMS, (fc1_weight, fc2_weight), ("fc1", "fc2")))
         inp = autocast_input(inp)
         x = inp.reshape(-1, hidden)                                                 # (tokens, hidden)
-        res = call(LayerNormMLPFP8(fc1.slot, fc2.slot, norm_cfg, activation), x=x, ln_weight=ln_weight,
+        res = call(LayerNormMLPFP8(fc1.slot, fc2.slot, norm_cfg, act), x=x, ln_weight=ln_weight,
                    ln_bias=ln_bias, fc1_weight=fc1_weight, fc1_bias=fc1_bias, fc2_weight=fc2_weight,
                    fc2_bias=fc2_bias, **fc1.tensors(), **fc2.tensors())
         out, ln_out = res["out"].reshape(inp.shape), res["ln_out"].reshape(inp.shape)

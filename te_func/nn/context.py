@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch._C import _functorch
 
+from ..quant.workspace import keeps_rng
 from ..recipe import DelayedScaling
 
 __all__ = ["Frame", "CallScope", "Binding", "push", "bind", "push_call_scope", "open_call_scopes", "current_frame",
@@ -52,7 +53,8 @@ class Frame:
     recipe: object
     # Flat workspace dict keyed by module path, or None under autocast (no caching).
     workspaces: dict | None = None
-    # id(module) -> (its path in the model, the names of its own entries, those updated in backward)
+    # id(module) -> (its path in the model, the names of its own entries, those its backward reads as
+    # the call was given them: grad histories, random streams)
     owners: dict = field(default_factory=dict)
     is_first_microbatch: bool | None = None
     updates: dict = field(default_factory=dict)    # entries written during this call
@@ -141,13 +143,20 @@ def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
                 f"{layer}: DelayedScaling keeps amax histories and scales between steps, which "
                 f"tef.autocast has nowhere to keep. Run the model through tef.functional_call(model, params, "
                 f"ws, ...) or tef.Stateful(model, recipe), with ws = tef.init_workspaces(model, recipe)")
+        if keeps_rng(frame.recipe) and module.gemms():
+            raise RuntimeError(
+                f"{layer}: NVFP4BlockScaling rounds gradients stochastically, drawing from a random stream "
+                f"per GEMM that tef.autocast has nowhere to keep. Run the model through "
+                f"tef.functional_call(model, params, ws, ...) or tef.Stateful(model, recipe), with ws = "
+                f"tef.init_workspaces(model, recipe), or use NVFP4BlockScaling(disable_stochastic_rounding=True) "
+                f"under tef.autocast")
         return Binding(frame.recipe, None, None, None, _discard)
     owner = frame.owners.get(id(module))
     if owner is None:
         raise RuntimeError(f"{layer}: this module is not a submodule of the model passed to "
                            f"tef.functional_call, so it has no workspace entries; register it as a "
                            f"submodule of that model")
-    path, names, backward_names = owner
+    path, names, as_given = owner
     prefix = f"{path}." if path else ""
     # A module called again in the same frame (a shared layer) sees what its
     # first call wrote and runs as a later microbatch of the same step: its
@@ -172,7 +181,7 @@ def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
         frame.updates.update({prefix + k: v for k, v in new_workspace.items()})
         if frame.watch is not None:
             frame.watch({prefix + k: v for k, v in new_workspace.items()})
-        _remember(module, frame, {**new_workspace, **{n: local[n] for n in backward_names}}, prefix)
+        _remember(module, frame, {**new_workspace, **{n: local[n] for n in as_given}}, prefix)
 
     return Binding(frame.recipe, local, ifm, frame.update_state, commit)
 
@@ -181,7 +190,8 @@ def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
 # torch.utils.checkpoint recomputes a checkpointed forward during backward, outside any
 # frame. Each eager call in a frame leaves what the module needs to compute the same
 # function again: its new entries (this step's casts and scales), with the grad histories
-# as the frame gave them (their gradient carries the backward amax). The recompute runs as
+# and random streams as the frame gave them (the histories' gradient carries the backward
+# amax; a stream gives the recompute's backward the numbers the call drew). The recompute runs as
 # a later microbatch of that step (casts reused, nothing rolled or updated) and commits
 # nothing; where its graph is the one backward runs (use_reentrant=True), the frame's
 # watcher hears of it, so each backward amax is recorded once. TE's te.checkpoint keeps

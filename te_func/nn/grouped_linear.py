@@ -18,17 +18,18 @@ class GroupedLinear(TEModule):
     the first m_splits[0] tokens use weight0, the next m_splits[1] weight1, and so on. m_splits
     is a list of ints or a 1-D integer tensor (read with `.tolist()`, see
     `te_func.functional.grouped_linear.split_sizes`); zeros are allowed, the sum must be the
-    token count.
+    token count. With return_bias=True the biases are not added and forward returns
+    `(out, [bias0, ..., bias{n-1}])`, as TE returns its per-GEMM biases (None where bias=False).
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
-                 params_dtype=None, device=None):
+                 params_dtype=None, device=None, return_bias: bool = False):
         super().__init__()
         if num_gemms <= 0 or in_features <= 0 or out_features <= 0:
             raise ValueError(f"GroupedLinear: num_gemms, in_features and out_features must be positive, got "
                              f"{num_gemms}, {in_features}, {out_features}")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
-        self.use_bias = bias
+        self.use_bias, self.return_bias = bias, return_bias
         for i in range(num_gemms):
             self.register_parameter(f"weight{i}", make_param((out_features, in_features), params_dtype,
                                                              device, te_init()))
@@ -45,8 +46,11 @@ class GroupedLinear(TEModule):
         return grouped_gemms(self.num_gemms)
 
     def forward(self, inp: torch.Tensor, m_splits, *, is_first_microbatch: bool | None = None):
-        return self._run(F.grouped_linear, inp, m_splits, self._weights(), self._biases(),
-                         is_first_microbatch=is_first_microbatch)
+        biases = self._biases()
+        out = self._run(F.grouped_linear, inp, m_splits, self._weights(),
+                        [None] * self.num_gemms if self.return_bias else biases,
+                        is_first_microbatch=is_first_microbatch)
+        return (out, biases) if self.return_bias else out
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "

@@ -5,7 +5,7 @@ import torch
 
 from .. import functional as F
 from ..functional.layernorm_mlp import LAYERNORM_MLP_GEMMS
-from ..ops.activations import check_activation, is_gated
+from ..ops.activations import activation_spec, is_gated
 from ._fused import add_norm_params, te_outputs
 from .module import TEModule, make_param, te_init
 
@@ -18,21 +18,24 @@ class LayerNormMLP(TEModule):
     Parameters as TE: `layer_norm_weight`, `layer_norm_bias` (hidden_size,; LayerNorm only),
     `fc1_weight` (ffn_hidden_size, hidden_size), twice as tall for gated activations,
     `fc1_bias` (fc1_weight's rows,), `fc2_weight` (hidden_size, ffn_hidden_size), `fc2_bias` (hidden_size,).
-    Activations: gelu (tanh approximation), geglu, qgelu, qgeglu, relu, reglu, srelu, sreglu,
-    silu, swiglu; gated ones compute act(first half of fc1) * second half.
+    Activations: gelu (tanh approximation), geglu, glu, qgelu, qgeglu, relu, reglu, srelu, sreglu,
+    silu, swiglu, clamped_swiglu (`activation_params` limit, alpha, glu_linear_offset: TE's 7.0,
+    1.702, 1.0); gated ones compute act(first half of fc1) * second half (te_func.ops.activations).
     forward(inp (..., hidden_size), *, is_first_microbatch=None) -> (..., hidden_size); tuples
     as LayerNormLinear's with return_bias (fc2_bias) / return_layernorm_output.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True, *,
-                 normalization: str = "LayerNorm", activation: str = "gelu", zero_centered_gamma: bool = False,
+                 normalization: str = "LayerNorm", activation: str = "gelu", activation_params: dict | None = None,
+                 zero_centered_gamma: bool = False,
                  return_layernorm_output: bool = False, return_bias: bool = False, params_dtype=None,
                  device=None):
         super().__init__()
         if hidden_size <= 0 or ffn_hidden_size <= 0:
             raise ValueError(f"LayerNormMLP: hidden_size and ffn_hidden_size must be positive, got "
                              f"{hidden_size}, {ffn_hidden_size}")
-        self.activation = check_activation(activation)
+        activation_spec(activation, activation_params)      # refuses unknown names and params now
+        self.activation, self.activation_params = activation, activation_params
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.return_bias, self.return_layernorm_output = return_bias, return_layernorm_output
         add_norm_params(self, "LayerNormMLP", hidden_size, eps, normalization, zero_centered_gamma,
@@ -50,6 +53,7 @@ class LayerNormMLP(TEModule):
         out = self._run(F.layernorm_mlp, inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
                         self.fc1_bias, self.fc2_weight, None if self.return_bias else self.fc2_bias, eps=self.eps,
                         normalization=self.normalization, activation=self.activation,
+                        activation_params=self.activation_params,
                         zero_centered_gamma=self.zero_centered_gamma,
                         return_layernorm_output=self.return_layernorm_output, is_first_microbatch=is_first_microbatch)
         out, ln_out = out if self.return_layernorm_output else (out, None)

@@ -1,20 +1,28 @@
 """TE's MLP activations, forward and backward, as plain tensor functions.
 
-Gated ones (geglu, qgeglu, reglu, sreglu, swiglu) take fc1's output of width
-2 * ffn and compute act(first half) * second half. As in TE the math runs
-in fp32 (float64 stays float64); the result is in the input's dtype.
-The derivatives are written out so that LayerNormMLP's backward needs only
-fc1's output, which it keeps.
+Gated ones (geglu, glu, qgeglu, reglu, sreglu, swiglu, clamped_swiglu) take
+fc1's output of width 2 * ffn and compute act(first half) * gate(second half),
+gate the identity but for clamped_swiglu. (torch's F.glu is the other way
+round, first half * sigmoid(second half): TE's glu is not torch's.) As in TE
+the math runs in fp32 (float64 stays float64); the result is in the input's
+dtype. The derivatives are written out so that LayerNormMLP's backward needs
+only fc1's output, which it keeps.
+
+`Activation` is an activation with its `activation_params` (TE's LayerNormMLP
+argument: only clamped_swiglu takes any, `limit`, `alpha` and
+`glu_linear_offset`), frozen so that an op holding it stays hashable.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ACTIVATIONS", "is_gated", "check_activation", "activation_forward", "activation_backward",
-           "activation_reference"]
+__all__ = ["ACTIVATIONS", "Activation", "is_gated", "check_activation", "activation_spec", "activation_forward",
+           "activation_backward", "activation_reference"]
 
 _K = math.sqrt(2.0 / math.pi)   # tanh approximation of gelu
 
@@ -28,13 +36,13 @@ def _dgelu(x):
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _K * (1.0 + 3 * 0.044715 * x * x)
 
 
-def _qgelu(x):
-    return x * torch.sigmoid(1.702 * x)
+def _qgelu(x, alpha=1.702):
+    return x * torch.sigmoid(alpha * x)
 
 
-def _dqgelu(x):
-    s = torch.sigmoid(1.702 * x)
-    return s + 1.702 * x * s * (1.0 - s)
+def _dqgelu(x, alpha=1.702):
+    s = torch.sigmoid(alpha * x)
+    return s + alpha * x * s * (1.0 - s)
 
 
 def _relu(x):
@@ -62,15 +70,62 @@ def _dsilu(x):
     return s * (1.0 + x * (1.0 - s))
 
 
-# name -> (function, derivative, gated)
+def _dsigmoid(x):
+    s = torch.sigmoid(x)
+    return s * (1.0 - s)
+
+
+# clamped_swiglu (GPT-OSS's SwiGLU): the activated half is clamped from above and goes through
+# qgelu with TE's `alpha`; the gate half is clamped to [-limit, limit] and offset. Where a clamp
+# is active its derivative is 0 (TE's kernels test `<= limit`, so the bound itself passes).
+def _clamped_silu(x, limit, alpha, glu_linear_offset):
+    return _qgelu(torch.clamp(x, max=limit), alpha)
+
+
+def _clamped_dsilu(x, limit, alpha, glu_linear_offset):
+    return torch.where(x <= limit, _dqgelu(torch.clamp(x, max=limit), alpha), 0.0)
+
+
+def _clamped_gate(g, limit, alpha, glu_linear_offset):
+    return torch.clamp(g, -limit, limit) + glu_linear_offset
+
+
+def _clamped_dgate(g, limit, alpha, glu_linear_offset):
+    return ((g >= -limit) & (g <= limit)).to(g.dtype)
+
+
+class _Kind(NamedTuple):
+    fn: Callable
+    dfn: Callable
+    gated: bool
+    params: dict | None = None      # the activation_params it takes, with TE's defaults
+    gate: Callable | None = None    # the gate half's transform (None: the identity)
+    dgate: Callable | None = None
+
+
+_CLAMPED = {"limit": 7.0, "alpha": 1.702, "glu_linear_offset": 1.0}
+
 _TABLE = {
-    "gelu": (_gelu, _dgelu, False), "geglu": (_gelu, _dgelu, True),
-    "qgelu": (_qgelu, _dqgelu, False), "qgeglu": (_qgelu, _dqgelu, True),
-    "relu": (_relu, _drelu, False), "reglu": (_relu, _drelu, True),
-    "srelu": (_srelu, _dsrelu, False), "sreglu": (_srelu, _dsrelu, True),
-    "silu": (_silu, _dsilu, False), "swiglu": (_silu, _dsilu, True),
+    "gelu": _Kind(_gelu, _dgelu, False), "geglu": _Kind(_gelu, _dgelu, True),
+    "glu": _Kind(torch.sigmoid, _dsigmoid, True),
+    "qgelu": _Kind(_qgelu, _dqgelu, False), "qgeglu": _Kind(_qgelu, _dqgelu, True),
+    "relu": _Kind(_relu, _drelu, False), "reglu": _Kind(_relu, _drelu, True),
+    "srelu": _Kind(_srelu, _dsrelu, False), "sreglu": _Kind(_srelu, _dsrelu, True),
+    "silu": _Kind(_silu, _dsilu, False), "swiglu": _Kind(_silu, _dsilu, True),
+    "clamped_swiglu": _Kind(_clamped_silu, _clamped_dsilu, True, _CLAMPED, _clamped_gate, _clamped_dgate),
 }
 ACTIVATIONS = tuple(_TABLE)
+
+
+@dataclass(frozen=True)
+class Activation:
+    """An activation and its parameters (name, value) pairs, TE's defaults filled in."""
+    name: str
+    params: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.params)
 
 
 def check_activation(activation: str, layer: str = "LayerNormMLP") -> str:
@@ -80,22 +135,44 @@ def check_activation(activation: str, layer: str = "LayerNormMLP") -> str:
     return activation
 
 
+def activation_spec(activation: str, activation_params: dict | None = None,
+                    layer: str = "LayerNormMLP") -> Activation:
+    """`activation` with `activation_params` checked against what it takes (TE's defaults for
+    the rest); an activation that takes none refuses any, as TE's kernels do."""
+    kind = _TABLE[check_activation(activation, layer)]
+    given = dict(activation_params or {})
+    accepted = kind.params or {}
+    unknown = sorted(given.keys() - accepted.keys())
+    if unknown:
+        takes = f"takes only {', '.join(accepted)}" if accepted else "takes no activation_params"
+        raise ValueError(f"{layer}: activation {activation!r} {takes}; got {', '.join(map(repr, unknown))}")
+    params = {**accepted, **given}
+    for k, v in params.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{layer}: activation_params[{k!r}] must be a finite number, got {v!r}")
+    if "limit" in params and params["limit"] <= 0:
+        raise ValueError(f"{layer}: activation_params['limit'] must be positive, got {params['limit']!r}")
+    return Activation(activation, tuple((k, float(v)) for k, v in params.items()))
+
+
 def is_gated(activation: str) -> bool:
-    return _TABLE[check_activation(activation)][2]
+    return _TABLE[check_activation(activation)].gated
 
 
 def _compute_dtype(x):
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def activation_forward(activation: str, x: torch.Tensor) -> torch.Tensor:
+def activation_forward(act: Activation, x: torch.Tensor) -> torch.Tensor:
     """x (tokens, ffn), or (tokens, 2 * ffn) when gated -> (tokens, ffn), x's dtype."""
-    fn, _, gated = _TABLE[check_activation(activation)]
+    kind, p = _TABLE[act.name], act.kwargs
     xf = x.to(_compute_dtype(x))
-    if gated:
+    if kind.gated:
         a, gate = xf.chunk(2, dim=-1)
-        return (fn(a) * gate).to(x.dtype)
-    return fn(xf).to(x.dtype)
+        if kind.gate is not None:
+            gate = kind.gate(gate, **p)
+        return (kind.fn(a, **p) * gate).to(x.dtype)
+    return kind.fn(xf, **p).to(x.dtype)
 
 
 # torch's own fused activations for gelu and relu: one kernel, and autograd keeps
@@ -105,24 +182,25 @@ _gelu_tanh = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731
 _TORCH = {"gelu": _gelu_tanh, "geglu": _gelu_tanh, "relu": F.relu, "reglu": F.relu}
 
 
-def activation_reference(activation: str, x: torch.Tensor) -> torch.Tensor:
+def activation_reference(act: Activation, x: torch.Tensor) -> torch.Tensor:
     """The activation as plain torch computes it, for the high-precision path that
     autograd differentiates: torch's function where it has one, else the formula."""
-    torch_fn = _TORCH.get(activation)
+    torch_fn = _TORCH.get(act.name)
     if torch_fn is None:
-        return activation_forward(activation, x)
-    if is_gated(activation):
+        return activation_forward(act, x)
+    if is_gated(act.name):
         a, gate = x.chunk(2, dim=-1)
         return torch_fn(a) * gate
     return torch_fn(x)
 
 
-def activation_backward(activation: str, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def activation_backward(act: Activation, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """dy (tokens, ffn), x = the forward's input -> dx of x's shape and dtype."""
-    fn, dfn, gated = _TABLE[check_activation(activation)]
+    kind, p = _TABLE[act.name], act.kwargs
     ct = _compute_dtype(x)
     xf, dy = x.to(ct), dy.to(ct)
-    if gated:
-        a, gate = xf.chunk(2, dim=-1)
-        return torch.cat([dy * gate * dfn(a), dy * fn(a)], dim=-1).to(x.dtype)
-    return (dy * dfn(xf)).to(x.dtype)
+    if kind.gated:
+        a, g = xf.chunk(2, dim=-1)
+        gate, dgate = (g, 1.0) if kind.gate is None else (kind.gate(g, **p), kind.dgate(g, **p))
+        return torch.cat([dy * gate * kind.dfn(a, **p), dy * kind.fn(a, **p) * dgate], dim=-1).to(x.dtype)
+    return (dy * kind.dfn(xf, **p)).to(x.dtype)

@@ -1,4 +1,4 @@
-"""The FP8 GEMM every GEMM layer's op is built from: `GemmSlot`.
+"""The FP8 (or FP4) GEMM every GEMM layer's op is built from: `GemmSlot`.
 
 A slot is one GEMM's part of an op (te_func.ops.boundary): the tensors it
 reads and returns, by name under its prefix, and its two halves. Forward
@@ -10,19 +10,24 @@ LayerNormMLP and GroupedLinear differ only in what they do around their slots.
 Tensors of a slot with prefix p (None where the recipe keeps no such state):
     inputs   p+w, p+w_scale_inv          the weight's cast (out, in)
              p+w_t, p+w_t_scale_inv      the cast of weight.T (in, out), for the input gradient
+             p+w_amax                    NVFP4: the weight's global amax (both layouts)
              p+x_record, p+x_scale       the GEMM input's state for this call: DelayedScaling's
                                          amax history and scale, or in batch scope the batch's
                                          amax (te_func.quant.BatchAmax; no scale)
              p+g_record, p+g_scale       ... and the output gradient's
              p+g_sink                    the tensor whose "gradient" carries the backward amax
                                          (see `backward_amax`): the grad record's workspace entry
+             p+g_rng                     NVFP4's stochastic rounding: the RNG state this call's
+                                         backward rounds the output gradient with (the caller
+                                         keeps the next one: te_func.functional._gemm)
     outputs  p+new_x_record              the input record with this call's amax recorded
              p+new_g_record              the grad record as this call leaves it: carried state,
                                          whose backward-time value is g_sink's gradient
-             p+x_saved, p+x_saved_scale_inv   what the weight-gradient GEMM reads of the input:
-                                         the cast of x.T (blocks along tokens); with the recipe's
-                                         backward_override, the cast of x ("dequantized") or x
-                                         itself ("high_precision", no scale)
+             p+x_saved, p+x_saved_scale_inv, p+x_saved_amax   what the weight-gradient GEMM reads
+                                         of the input: the cast of x.T (blocks along tokens;
+                                         NVFP4: of its Hadamard transform, and its global amax);
+                                         with the recipe's backward_override, the cast of x
+                                         ("dequantized") or x itself ("high_precision", no scale)
 """
 from __future__ import annotations
 
@@ -82,10 +87,11 @@ def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: 
 
 
 def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized | None, cfg: GemmConfig,
-                  x_dtype: torch.dtype, w_dtype: torch.dtype, g_state: DelayedState | BatchAmax | None = None):
+                  x_dtype: torch.dtype, w_dtype: torch.dtype, g_state=None):
     """grad_out (tokens, out) -> (dx (tokens, in) or None, dw (out, in) or None, new grad state).
 
-    dx is computed when `w_t` (the cast of weight.T) is given, dw when `xq_t` is.
+    dx is computed when `w_t` (the cast of weight.T) is given, dw when `xq_t` is. g_state: the
+    gradient's DelayedState, or NVFP4's RNG state for stochastic rounding, or None.
     """
     if w_t is None and xq_t is None:
         return None, None, g_state
@@ -106,13 +112,14 @@ def _state(s: Scheme, record, scale) -> DelayedState | BatchAmax | None:
     return DelayedState(record, scale) if s.rule == "delayed" else BatchAmax(record)
 
 
-def backward_amax(new_g: DelayedState | BatchAmax | None) -> torch.Tensor | None:
+def backward_amax(new_g) -> torch.Tensor | None:
     """The grad record's "gradient". For a history: zeros but for slot 0, the amax of this
     backward's output gradient (`backward_gemm` records it into a zero history). Merged by max
     into whatever the history is when backward runs, it lands in the current step's slot, as in
     TE, also when another step's forward ran in between or this backward is a checkpoint's
-    recompute. For a batch amax: the amax this backward quantized with, merged by max likewise."""
-    return None if new_g is None else new_g.record
+    recompute. For a batch amax: the amax this backward quantized with, merged by max likewise.
+    (NVFP4's RNG state needs no such return: the forward already left the next one.)"""
+    return new_g.record if isinstance(new_g, (DelayedState, BatchAmax)) else None
 
 
 @dataclass(frozen=True)
@@ -128,7 +135,8 @@ class GemmSlot:
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return tuple(map(self._n, ("new_x_record", "new_g_record", "x_saved", "x_saved_scale_inv")))
+        return tuple(map(self._n, ("new_x_record", "new_g_record", "x_saved", "x_saved_scale_inv",
+                                   "x_saved_amax")))
 
     @property
     def carried(self) -> dict[str, str]:
@@ -138,21 +146,24 @@ class GemmSlot:
     def saved(self) -> tuple[str, ...]:
         # What the input-gradient GEMM reads of the weight: its transposed cast, or with
         # backward_override the forward's cast ("dequantized") or the weight itself.
-        w = {None: ("w_t", "w_t_scale_inv"), "dequantized": ("w", "w_scale_inv"),
+        w = {None: ("w_t", "w_t_scale_inv", "w_amax"), "dequantized": ("w", "w_scale_inv", "w_amax"),
              "high_precision": ()}[self.cfg.backward_override]
-        own = tuple(map(self._n, (*w, "x_saved", "x_saved_scale_inv", "g_record", "g_scale")))
+        own = tuple(map(self._n, (*w, "x_saved", "x_saved_scale_inv", "x_saved_amax", "g_record", "g_scale",
+                                  "g_rng")))
         return own + ((self.weight,) if self.cfg.backward_override == "high_precision" else ())
 
     def inputs(self, cast: WeightCast, x_state: DelayedState | BatchAmax | None,
-               g_state: DelayedState | BatchAmax | None, g_sink: torch.Tensor | None) -> dict:
+               g_state: DelayedState | BatchAmax | None, g_sink: torch.Tensor | None,
+               g_rng: torch.Tensor | None = None) -> dict:
         """This slot's input tensors by name, from the GEMM's weight cast and states for this call."""
         record = lambda st: None if st is None else st.record                       # noqa: E731
         scale = lambda st: st.scale if isinstance(st, DelayedState) else None       # noqa: E731
         return {self._n(k): v for k, v in (
             ("w", cast.rowwise.data), ("w_scale_inv", cast.rowwise.scale_inv),
             ("w_t", cast.columnwise.data), ("w_t_scale_inv", cast.columnwise.scale_inv),
+            ("w_amax", cast.rowwise.global_amax),
             ("x_record", record(x_state)), ("x_scale", scale(x_state)),
-            ("g_sink", g_sink), ("g_record", record(g_state)), ("g_scale", scale(g_state)))}
+            ("g_sink", g_sink), ("g_record", record(g_state)), ("g_scale", scale(g_state)), ("g_rng", g_rng))}
 
     def new_states(self, outputs: dict, x_state, g_state):
         """The input and grad roles' states after the call: `x_state` with this call's amax
@@ -164,19 +175,19 @@ class GemmSlot:
     def forward(self, t: dict, x: torch.Tensor, bias: torch.Tensor | None):
         """x (tokens, in) -> (out (tokens, out) in x's dtype, this slot's outputs by name)."""
         n, cfg = self._n, self.cfg
-        w = Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block)
+        w = Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block, t[n("w_amax")])
         out, xq, xq_t, new_x = forward_gemm(x, w, bias, cfg, _state(cfg.input, t[n("x_record")], t[n("x_scale")]))
-        saved, saved_scale_inv = None, None
+        saved = (None, None, None)
         if cfg.save_input:
-            saved, saved_scale_inv = {None: (None if xq_t is None else xq_t.data, None if xq_t is None else xq_t.scale_inv),
-                                      "dequantized": (xq.data, xq.scale_inv),
-                                      # a view: a Function may not save an input it returns as is
-                                      "high_precision": (x.view_as(x), None)}[cfg.backward_override]
+            saved = {None: (None, None, None) if xq_t is None else (xq_t.data, xq_t.scale_inv, xq_t.global_amax),
+                     "dequantized": (xq.data, xq.scale_inv, xq.global_amax),
+                     # a view: a Function may not save an input it returns as is
+                     "high_precision": (x.view_as(x), None, None)}[cfg.backward_override]
         g_record = t[n("g_record")]
         return out, {n("new_x_record"): None if new_x is None else new_x.record,
                      # a copy: a Function may not return an input as it is
                      n("new_g_record"): None if g_record is None else g_record.clone(),
-                     n("x_saved"): saved, n("x_saved_scale_inv"): saved_scale_inv}
+                     **dict(zip(map(n, ("x_saved", "x_saved_scale_inv", "x_saved_amax")), saved))}
 
     def backward(self, s: dict, grad_out: torch.Tensor, need_dx: bool, dx_dtype: torch.dtype | None, ctx):
         """grad_out (tokens, out) -> (dx (tokens, in) or None, dw or None, {g_sink's name: its gradient})."""
@@ -188,12 +199,16 @@ class GemmSlot:
         if cfg.backward_override is not None:
             dx, dw = self._backward_unquantized(s, grad_out, need_dx, need_dw, dx_dtype, ctx.dtype.get(weight))
             return dx, dw, {}
-        w_t = Quantized(s[n("w_t")], s[n("w_t_scale_inv")], cfg.weight.block) if need_dx else None
-        xq_t = Quantized(s[n("x_saved")], s[n("x_saved_scale_inv")], cfg.input.block) if need_dw else None
-        g_state = _state(cfg.grad, s[n("g_record")], s[n("g_scale")])
-        if isinstance(g_state, DelayedState):
-            # The amax goes into a zero history: only this backward's amax comes back (see backward_amax).
-            g_state = DelayedState(torch.zeros_like(g_state.amax_history), g_state.scale)
+        w_t = Quantized(s[n("w_t")], s[n("w_t_scale_inv")], cfg.weight.block, s[n("w_amax")]) if need_dx else None
+        xq_t = Quantized(s[n("x_saved")], s[n("x_saved_scale_inv")], cfg.input.block,
+                         s[n("x_saved_amax")]) if need_dw else None
+        if cfg.grad.stochastic_rounding:
+            g_state = s[n("g_rng")]
+        else:
+            g_state = _state(cfg.grad, s[n("g_record")], s[n("g_scale")])
+            if isinstance(g_state, DelayedState):
+                # The amax goes into a zero history: only this backward's amax comes back (see backward_amax).
+                g_state = DelayedState(torch.zeros_like(g_state.amax_history), g_state.scale)
         dx, dw, new_g = backward_gemm(grad_out, w_t, xq_t, cfg, dx_dtype, ctx.dtype.get(weight), g_state)
         sink = n("g_sink")
         return dx, dw, {sink: backward_amax(new_g) if ctx.need.get(sink) else None}
@@ -204,9 +219,10 @@ class GemmSlot:
         # to the gradient's dtype ("dequantized"), or the original tensors ("high_precision").
         n, cfg, dtype = self._n, self.cfg, grad_out.dtype
         if cfg.backward_override == "dequantized":
-            w = dequantize(Quantized(s[n("w")], s[n("w_scale_inv")], cfg.weight.block), dtype) if need_dx else None
-            x = dequantize(Quantized(s[n("x_saved")], s[n("x_saved_scale_inv")], cfg.input.block), dtype) \
-                if need_dw else None
+            w = dequantize(Quantized(s[n("w")], s[n("w_scale_inv")], cfg.weight.block, s[n("w_amax")]),
+                           dtype) if need_dx else None
+            x = dequantize(Quantized(s[n("x_saved")], s[n("x_saved_scale_inv")], cfg.input.block,
+                                     s[n("x_saved_amax")]), dtype) if need_dw else None
         else:
             w, x = s[self.weight].to(dtype), s[n("x_saved")]
         dx = (grad_out @ w).to(dx_dtype) if need_dx else None                   # (tokens, in)

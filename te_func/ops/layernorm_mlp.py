@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import activation_backward, activation_forward
+from .activations import Activation, activation_backward, activation_forward
 from .gemm_layer import GemmSlot
 from .normalization import NormConfig, norm_backward, norm_forward
 
@@ -29,7 +29,7 @@ class LayerNormMLPFP8:
     fc1: GemmSlot
     fc2: GemmSlot
     norm: NormConfig
-    activation: str
+    activation: Activation
     differentiable = ("out", "ln_out")
 
     @property

@@ -1,4 +1,6 @@
 """Scaling math, quantize / dequantize, cached weight casts, and the workspace format."""
+from . import nvfp4
+from .nvfp4 import advance_rng, init_rng_state
 from .scheme import Scheme, scheme_for, scale_from_amax, e8m0_scale_inv, round_down_pow2
 from .tensor import (BatchAmax, DelayedState, Quantized, dequantize, quantize, quantize_scheme,
                      quantize_with_transpose, transpose)
@@ -10,4 +12,4 @@ __all__ = ["Scheme", "scheme_for", "scale_from_amax", "e8m0_scale_inv", "round_d
            "BatchAmax", "DelayedState", "Quantized", "dequantize", "quantize", "quantize_scheme",
            "quantize_with_transpose", "transpose", "delayed_update", "init_delayed_state",
            "CAST_FIELDS", "Entry", "Gemm", "GemmWorkspace", "WeightCast", "Quantizer", "cast_weight",
-           "quantize_weight"]
+           "quantize_weight", "nvfp4", "init_rng_state", "advance_rng"]

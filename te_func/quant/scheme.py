@@ -1,7 +1,7 @@
 """How each recipe scales each tensor role: one `Scheme` per (recipe, role).
 
-The four recipes differ only in the fields of a Scheme; `quantize` has one
-code path for all of them.
+The recipes differ only in the fields of a Scheme; `quantize` has one code
+path for all of them (NVFP4's format math: te_func.quant.nvfp4).
 """
 from __future__ import annotations
 
@@ -18,24 +18,37 @@ __all__ = ["Scheme", "scheme_for", "scale_from_amax", "e8m0_scale_inv", "round_d
 @dataclass(frozen=True)
 class Scheme:
     """How one tensor role is quantized under one recipe (see `scheme_for`)."""
-    dtype: torch.dtype            # float8_e4m3fn or float8_e5m2
-    fp8_max: float
-    # None: one scale for the whole tensor. Else (rows, cols) of a block of the
-    # 2-D tensor; (1, 32) or (32, 32) MXFP8, (1, 128) or (128, 128) Float8BlockScaling.
+    dtype: torch.dtype            # float8_e4m3fn or float8_e5m2; uint8 for NVFP4 (two E2M1 codes a byte)
+    fp8_max: float                # the format's largest value (6 for E2M1)
+    # None: one scale for the whole tensor. Else (rows, cols) of a block of the 2-D tensor;
+    # (1, 32) or (32, 32) MXFP8, (1, 128) or (128, 128) Float8BlockScaling, (1, 16) or (16, 16) NVFP4.
     block: tuple[int, int] | None
-    rule: str                     # "current", "delayed" or "e8m0"
+    rule: str                     # "current", "delayed", "e8m0" or "nvfp4"
     amax_epsilon: float = 0.0
     power_2_scale: bool = False
     margin: int = 0
+    # NVFP4 only: the random Hadamard transform of the columnwise (weight-gradient) copy,
+    # and stochastic rounding, which draws from an RNG state (te_func.quant.nvfp4).
+    hadamard: bool = False
+    stochastic_rounding: bool = False
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        return torch.float8_e8m0fnu if self.rule == "e8m0" else torch.float32
+        return {"e8m0": torch.float8_e8m0fnu, "nvfp4": torch.float8_e4m3fn}.get(self.rule, torch.float32)
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.rule == "nvfp4"
 
     @property
     def transposable(self) -> bool:
-        """True when the cast of x.T is the transpose of the cast of x (same blocks)."""
-        return self.block is None or self.block[0] == self.block[1]
+        """True when the cast of x.T is the transpose of the cast of x (same blocks, no transform)."""
+        return (self.block is None or self.block[0] == self.block[1]) and not self.hadamard
+
+    def data_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:
+        """The shape of the quantized data of a (rows, cols) tensor: NVFP4 packs two per byte."""
+        rows, cols = shape
+        return (rows, -(-cols // 2)) if self.nvfp4 else (rows, cols)
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         if self.block is None:
@@ -49,7 +62,13 @@ def scheme_for(recipe, role: str) -> Scheme:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if isinstance(recipe, NVFP4BlockScaling):
-        raise NotImplementedError("NVFP4BlockScaling's quantization is not implemented yet")
+        # TE's derived QParams: 16x16 blocks for weights (unless disable_2d_quantization), the
+        # Hadamard transform for the columnwise copies of inputs and gradients (unless disable_rht),
+        # stochastic rounding for gradients (unless disable_stochastic_rounding).
+        qp = recipe.qparams(role)
+        block = (16, 16) if qp.fp4_2d_quantization else (1, 16)
+        return Scheme(torch.uint8, recipe.fp4_format.max(role), block, "nvfp4",
+                      hadamard=qp.random_hadamard_transform, stochastic_rounding=qp.stochastic_rounding)
     fmt = recipe.fp8_format
     dtype, fp8_max = fmt.dtype(role), fmt.max(role)
     if isinstance(recipe, Float8CurrentScaling):
@@ -66,7 +85,7 @@ def scheme_for(recipe, role: str) -> Scheme:
         block = (1, 128) if recipe.block_dim(role) == 1 else (128, 128)
         return Scheme(dtype, fp8_max, block, "current", qp.amax_epsilon, qp.power_2_scale)
     raise TypeError(f"not a te_func recipe: {recipe!r} (use te_func.recipe.DelayedScaling, "
-                    f"Float8CurrentScaling, MXFP8BlockScaling or Float8BlockScaling, or None)")
+                    f"Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling or NVFP4BlockScaling, or None)")
 
 
 def round_down_pow2(scale: torch.Tensor) -> torch.Tensor:

@@ -8,37 +8,58 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..kernels import tensorwise_cast
+from . import nvfp4
 from .scheme import Scheme, e8m0_scale_inv, scale_from_amax, scheme_for
 
 __all__ = ["Quantized", "DelayedState", "BatchAmax", "quantize", "quantize_with_transpose",
-           "quantize_scheme", "dequantize", "transpose", "record_amax", "cast_with_scale"]
+           "quantize_scheme", "dequantize", "transpose", "record_amax", "cast_with_scale", "nvfp4_block_values"]
 
 
 @dataclass(frozen=True)
 class Quantized:
-    """An FP8 tensor and the factors that decode it: x ~= data * scale_inv (per block).
+    """A low-precision tensor and the factors that decode it: x ~= data * scale_inv (per block).
 
-    data:      FP8, the source's shape; block layouts need 2-D (rows, cols), blocks
-               run along the last dim (the GEMM's reduction dim).
-    scale_inv: float32 `()` for one scale per tensor, else one per block,
-               `(ceil(rows / block[0]), ceil(cols / block[1]))` (float8_e8m0fnu for MXFP8).
-    block:     None (per tensor) or the block's (rows, cols).
+    data:        FP8, the source's shape; block layouts need 2-D (rows, cols), blocks
+                 run along the last dim (the GEMM's reduction dim). NVFP4: uint8
+                 (rows, ceil(cols / 2)), two E2M1 codes a byte (te_func.quant.nvfp4).
+    scale_inv:   float32 `()` for one scale per tensor, else one per block,
+                 `(ceil(rows / block[0]), ceil(cols / block[1]))` (float8_e8m0fnu for
+                 MXFP8, float8_e4m3fn for NVFP4).
+    block:       None (per tensor) or the block's (rows, cols).
+    global_amax: NVFP4 only: float32 `()`, the tensor's amax, which sets its per-tensor
+                 scale: x ~= e2m1(data) * scale_inv * global_amax / (6 * 448).
+    columns:     NVFP4 only: the number of columns `data` packs (None: 2 * its bytes per
+                 row; the GEMMs read zero-padded rows either way).
     """
     data: torch.Tensor
     scale_inv: torch.Tensor
     block: tuple[int, int] | None = None
+    global_amax: torch.Tensor | None = None
+    columns: int | None = None
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.global_amax is not None
 
     @property
     def shape(self):
-        return self.data.shape
+        """The shape of the tensor it encodes (NVFP4: columns, not bytes)."""
+        if not self.nvfp4:
+            return self.data.shape
+        return torch.Size((*self.data.shape[:-1], 2 * self.data.shape[-1] if self.columns is None else self.columns))
 
 
-pytree.register_pytree_node(
-    Quantized,
-    lambda q: ([q.data, q.scale_inv], q.block),
-    lambda leaves, block: Quantized(leaves[0], leaves[1], block),
-    serialized_type_name="te_func.quant.Quantized",
-)
+def _flatten(q: Quantized):
+    leaves = [q.data, q.scale_inv] + ([q.global_amax] if q.nvfp4 else [])
+    return leaves, (q.block, q.nvfp4, q.columns)
+
+
+def _unflatten(leaves, aux):
+    block, nvfp4, columns = aux
+    return Quantized(leaves[0], leaves[1], block, leaves[2] if nvfp4 else None, columns)
+
+
+pytree.register_pytree_node(Quantized, _flatten, _unflatten, serialized_type_name="te_func.quant.Quantized")
 
 
 class DelayedState(NamedTuple):
@@ -150,10 +171,49 @@ def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> Quantize
     return Quantized(_cast(x, scale, s), torch.reciprocal(scale))
 
 
-def quantize_scheme(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | None = None):
-    """Quantize `x` by scheme `s`. Returns (Quantized, new_state): `state` with this tensor's
-    amax recorded (a DelayedState for the delayed rule, a BatchAmax for a tensor-wise
-    current one), or None when `state` is None and the scheme needs none."""
+def _quantize_nvfp4(x: torch.Tensor, s: Scheme, rng: torch.Tensor | None, stream: int,
+                    hadamard: bool = False) -> Quantized:
+    """NVFP4 cast of a 2-D x (rows, cols), as TE's quantize kernels compute it:
+
+        amax   = max |x| (NaN skipped)            S_enc = 2688 / amax,  S_dec = 1 / S_enc
+        scale  = e4m3(block amax * S_enc / 6)     per 1x16 (or 16x16) block
+        codes  = e2m1(x * 1 / (scale * S_dec))    nearest-even, or stochastic with `rng`
+
+    hadamard: quantize the random Hadamard transform of x along its rows instead (the
+    columnwise copy the weight-gradient GEMM reads; te_func.quant.nvfp4.hadamard_transform),
+    whose width is cols rounded up to a multiple of 16. `stream` numbers the random bits of
+    one cast (rowwise 0, columnwise 1, as TE draws separate numbers for the two copies).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"NVFP4 quantizes 2-D tensors (rows, cols), got shape {tuple(x.shape)}")
+    if s.stochastic_rounding and rng is None:
+        raise ValueError("NVFP4BlockScaling rounds gradients stochastically, which needs their RNG state "
+                         "(te_func.quant.nvfp4.init_rng_state(seed)); layers keep one per GEMM in their "
+                         "workspaces (tef.init_workspaces(model, recipe)), or set "
+                         "NVFP4BlockScaling(disable_stochastic_rounding=True)")
+    v = (nvfp4.hadamard_transform(x) if hadamard else x).float()
+    amax = amax_of(v)
+    s_enc = nvfp4.global_encode_scale(amax)
+    scale = nvfp4.block_decode_scale(torch.amax(abs_skipping_nan(_blocked(v, s.block)), dim=(1, 3)), s_enc)
+    scaled = v * _expand(nvfp4.block_encode_scale(scale, torch.reciprocal(s_enc)), s.block, v.shape)
+    if s.stochastic_rounding:
+        codes = nvfp4.stochastic_round_to_e2m1(scaled, nvfp4.random_bytes(rng, stream, scaled.shape))
+    else:
+        codes = nvfp4.round_to_e2m1(scaled)
+    return Quantized(nvfp4.pack_e2m1(codes), scale, s.block, amax, v.shape[1])
+
+
+def quantize_scheme(x: torch.Tensor, s: Scheme, state=None):
+    """Quantize `x` by scheme `s`. Returns (Quantized, new_state).
+
+    state: the role's DelayedState under delayed scaling (new_state: `state` with this
+    tensor's amax recorded); a BatchAmax for a tensor-wise current scheme in batch scope
+    (new_state: the batch's amax, unless this tensor's is larger); NVFP4 with stochastic
+    rounding: the RNG state, int64 (seed, counter) (new_state: the next one,
+    te_func.quant.nvfp4.advance_rng); else None.
+    """
+    if s.nvfp4:
+        return _quantize_nvfp4(x, s, state, 0), None if state is None else nvfp4.advance_rng(state)
     if s.block is None:
         if s.rule == "delayed" and state is None:
             raise ValueError("DelayedScaling needs its state (amax history and scale): call the "
@@ -188,12 +248,14 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax 
     return Quantized(data, scale_inv, s.block), None
 
 
-def quantize(x: torch.Tensor, recipe, role: str = "input", state: DelayedState | BatchAmax | None = None):
+def quantize(x: torch.Tensor, recipe, role: str = "input", state=None):
     """Quantize `x` as `recipe` quantizes tensors of `role` ("input", "weight" or "grad").
 
     Returns `(Quantized, new_state)`; `state` and `new_state` are the role's
     `DelayedState` under DelayedScaling, a `BatchAmax` for a per-sample call in batch
-    scope under Float8CurrentScaling, None otherwise.
+    scope under Float8CurrentScaling, the RNG state (seed, counter) of NVFP4's
+    stochastically rounded gradients, None otherwise. Under NVFP4 this is the rowwise
+    copy (no Hadamard transform: TE applies it to the columnwise copy only).
     """
     return quantize_scheme(x, scheme_for(recipe, role), state)
 
@@ -202,15 +264,24 @@ def transpose(q: Quantized) -> Quantized:
     """The cast of x.T from the cast of x, for schemes whose blocks are square."""
     if q.block is not None and q.block[0] != q.block[1]:
         raise ValueError(f"a {q.block} block cast cannot be transposed: quantize x.T instead")
+    if q.nvfp4:     # unpack, transpose the codes, pack again; the global amax is the same
+        codes = nvfp4.unpack_e2m1(q.data, q.shape[-1]).t()
+        scale_inv = q.scale_inv.t().clone(memory_format=torch.contiguous_format)
+        return Quantized(nvfp4.pack_e2m1(codes), scale_inv, q.block, q.global_amax.clone(), q.data.shape[0])
     # clone, not contiguous(): a transpose that is already contiguous (one block of scales)
     # would otherwise share storage with the original, which a checkpoint cannot hold twice.
     scale_inv = q.scale_inv if q.block is None else q.scale_inv.t().clone(memory_format=torch.contiguous_format)
     return Quantized(q.data.t().clone(memory_format=torch.contiguous_format), scale_inv, q.block)
 
 
-def quantize_with_transpose(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | None = None):
+def quantize_with_transpose(x: torch.Tensor, s: Scheme, state=None):
     """Both copies a GEMM layer needs of a 2-D `x`: blocks along its rows and along its
-    columns. Returns (q, q_t, new_state), q_t being the cast of x.T."""
+    columns. Returns (q, q_t, new_state), q_t being the cast of x.T (under NVFP4 with
+    the Hadamard transform, of its transform along x's rows: te_func.quant.nvfp4)."""
+    if s.nvfp4:
+        q = _quantize_nvfp4(x, s, state, 0)
+        q_t = transpose(q) if s.transposable else _quantize_nvfp4(x.t(), s, state, 1, hadamard=s.hadamard)
+        return q, q_t, None if state is None else nvfp4.advance_rng(state)
     fused = _fused_cast(x, s, state, with_transpose=True) if s.block is None else None
     if fused is not None:     # one pass writes both copies
         return fused
@@ -221,8 +292,24 @@ def quantize_with_transpose(x: torch.Tensor, s: Scheme, state: DelayedState | Ba
     return q, q_t, new_state
 
 
+def nvfp4_block_values(q: Quantized) -> torch.Tensor:
+    """An NVFP4 tensor's e2m1 values times their block scales, fp32, (rows, 2 * bytes): the zero-
+    padded rows the FP4 GEMM reads, without the per-tensor factor. Exact: an E2M1 value (2
+    significant bits) times an E4M3 scale (4) fits fp32, bf16 and tf32 alike."""
+    values = nvfp4.e2m1_values(nvfp4.unpack_e2m1(q.data))
+    return values * _expand(q.scale_inv.float(), q.block, values.shape)
+
+
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """data * scale_inv, block by block, in `dtype`."""
+    """data * scale_inv, block by block, in `dtype`.
+
+    NVFP4 as TE's dequantize kernel: e2m1 * fl(fl(scale_inv * global_amax) * fl32(1 / 2688)),
+    in fp32, then cast to `dtype`; the result has `q.shape`.
+    """
+    if q.nvfp4:
+        values = nvfp4.e2m1_values(nvfp4.unpack_e2m1(q.data, q.shape[-1]))
+        factor = (q.scale_inv.float() * q.global_amax) * (1.0 / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX))
+        return (values * _expand(factor, q.block, values.shape)).to(dtype)
     scale_inv = q.scale_inv.float()
     if q.block is not None:
         scale_inv = _expand(scale_inv, q.block, q.data.shape)

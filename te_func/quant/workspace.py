@@ -6,6 +6,8 @@ Every FP8 GEMM of a layer keeps one `GemmWorkspace`, a small pytree:
     input     DelayedState | None   DelayedScaling only: the GEMM input's amax history and scale,
     weight    DelayedState | None   the weight's,
     grad      DelayedState | None   and the output gradient's (updated in backward)
+    rng       Tensor | None         NVFP4 with stochastic rounding only: the output gradient's
+                                    random stream (seed, counter)
 
 `Gemm(weight, prefix)` declares one GEMM of a layer by its weight parameter's
 name and the prefix of its activation states. Its flat, op-local entries
@@ -16,11 +18,22 @@ name and the prefix of its activation states. Its flat, op-local entries
     {weight}_cast.data_t          (in, out)     FP8   the cast of weight.T, for the input gradient
     {weight}_cast.scale_inv_t     blocks              only for block scales: a tensor-wise
                                                       scale is one number for both layouts
+    {weight}_cast.global_amax     ()   fp32           NVFP4 only: the weight's amax, its per-tensor
+                                                      scale, the same for both layouts; NVFP4's
+                                                      data is uint8 (two E2M1 codes a byte, the
+                                                      last dim halved) and its block scales E4M3
     {prefix}input_amax_history    (L,) fp32     \\
     {prefix}input_scale           ()   fp32      |  DelayedScaling only
     {weight}_amax_history, {weight}_scale        |
     {prefix}grad_amax_history     (L,) fp32      |  updated in backward (`Entry.backward`)
     {prefix}grad_scale            ()   fp32     /
+    {prefix}grad_rng_state        (2,) int64    NVFP4 with stochastic rounding (and no
+                                                backward_override): (seed, counter) of the stream
+                                                the output gradient is rounded with; a forward
+                                                that may be differentiated reads it (its backward
+                                                draws from it) and leaves the next counter, so
+                                                each backward gets its own numbers and the state
+                                                comes back with the forward's entries
 
 and every workspace dict holds one more entry, `RECIPE_KEY`: the format
 version and a fingerprint of the recipe it was made for (`fingerprint`).
@@ -46,12 +59,13 @@ import torch
 
 from ..recipe import DelayedScaling, fingerprint
 from .delayed import init_delayed_state
+from .nvfp4 import init_rng_state, rng_seed
 from .scheme import Scheme, scheme_for
 from .tensor import BatchAmax, DelayedState, Quantized, quantize_with_transpose
 
 __all__ = ["FORMAT_VERSION", "RECIPE_KEY", "RECIPE_ENTRY", "CAST_FIELDS", "CarriedCast", "KINDS", "Entry", "Gemm",
            "GemmWorkspace", "WeightCast", "cast_entries", "cast_from_flat", "cast_to_flat", "make_cast",
-           "fingerprint_entry", "ROLES_OF_GEMM"]
+           "fingerprint_entry", "ROLES_OF_GEMM", "keeps_rng"]
 
 # 1: te_func 0.1 (recipe repr and made_by= in key names); 2: this module.
 FORMAT_VERSION = 2
@@ -62,8 +76,8 @@ ROLES_OF_GEMM = ("input", "weight", "grad")
 
 
 # What an entry holds: a weight cast's tensor; a DelayedScaling amax history or scale; a
-# batch-scope amax; the recipe fingerprint.
-KINDS = ("cast", "amax_history", "scale", "batch_amax", "recipe")
+# batch-scope amax; a random stream (NVFP4's stochastic rounding); the recipe fingerprint.
+KINDS = ("cast", "amax_history", "scale", "batch_amax", "rng", "recipe")
 
 
 class Entry(NamedTuple):
@@ -73,6 +87,11 @@ class Entry(NamedTuple):
     dtype: torch.dtype
     kind: str
     backward: bool = False
+
+    @property
+    def stream(self) -> bool:
+        """A random stream that a call hands its backward as it is and moves on."""
+        return self.kind == "rng"
 
     @property
     def records_amax(self) -> bool:
@@ -95,11 +114,14 @@ class GemmWorkspace(NamedTuple):
     input: DelayedState | BatchAmax | None = None
     weight: DelayedState | None = None
     grad: DelayedState | BatchAmax | None = None
+    rng: torch.Tensor | None = None
 
 
 # --- the weight cast -------------------------------------------------------------------------
 
-CAST_FIELDS = ("data", "scale_inv", "data_t", "scale_inv_t")    # every name a cast's entries can have
+# every name a cast's entries can have
+CAST_FIELDS = ("data", "scale_inv", "data_t", "scale_inv_t", "global_amax")
+
 
 def _shared_scale(s: Scheme) -> bool:
     # A tensor-wise cast and the cast of its transpose decode with the same one number.
@@ -109,11 +131,13 @@ def _shared_scale(s: Scheme) -> bool:
 def cast_entries(shape: tuple[int, int], s: Scheme) -> dict[str, Entry]:
     """The entries of the cast of a weight of `shape` (out, in) by scheme `s`."""
     out_f, in_f = shape
-    entries = {"data": Entry((out_f, in_f), s.dtype, "cast"),
+    entries = {"data": Entry(s.data_shape((out_f, in_f)), s.dtype, "cast"),
                "scale_inv": Entry(s.scale_shape((out_f, in_f)), s.scale_dtype, "cast"),
-               "data_t": Entry((in_f, out_f), s.dtype, "cast")}
+               "data_t": Entry(s.data_shape((in_f, out_f)), s.dtype, "cast")}
     if not _shared_scale(s):
         entries["scale_inv_t"] = Entry(s.scale_shape((in_f, out_f)), s.scale_dtype, "cast")
+    if s.nvfp4:    # weights take no Hadamard transform: amax(w) = amax(w.T), one entry
+        entries["global_amax"] = Entry((), torch.float32, "cast")
     return entries
 
 
@@ -121,12 +145,16 @@ def cast_to_flat(cast: WeightCast, s: Scheme) -> dict[str, torch.Tensor]:
     flat = {"data": cast.rowwise.data, "scale_inv": cast.rowwise.scale_inv, "data_t": cast.columnwise.data}
     if not _shared_scale(s):
         flat["scale_inv_t"] = cast.columnwise.scale_inv
+    if s.nvfp4:
+        flat["global_amax"] = cast.rowwise.global_amax
     return flat
 
 
 def cast_from_flat(flat: dict, s: Scheme) -> WeightCast:
     scale_inv_t = flat["scale_inv"] if _shared_scale(s) else flat["scale_inv_t"]
-    return WeightCast(Quantized(flat["data"], flat["scale_inv"], s.block), Quantized(flat["data_t"], scale_inv_t, s.block))
+    amax = flat["global_amax"] if s.nvfp4 else None
+    return WeightCast(Quantized(flat["data"], flat["scale_inv"], s.block, amax),
+                      Quantized(flat["data_t"], scale_inv_t, s.block, amax))
 
 
 class CarriedCast(torch.Tensor):
@@ -161,6 +189,11 @@ class Gemm:
         """role -> the name its DelayedScaling state is kept under."""
         return {"input": f"{self.prefix}input", "weight": self.weight, "grad": f"{self.prefix}grad"}
 
+    @property
+    def rng_name(self) -> str:
+        """The name of the output gradient's RNG state (NVFP4 with stochastic rounding)."""
+        return f"{self.prefix}grad_rng_state"
+
     def entries(self, weight_shape, recipe) -> dict[str, Entry]:
         """Op-local entry name -> Entry, under `recipe` (empty for None)."""
         if recipe is None:
@@ -172,6 +205,8 @@ class Gemm:
                 out[f"{name}_amax_history"] = Entry((recipe.amax_history_len,), torch.float32, "amax_history",
                                                     role == "grad")
                 out[f"{name}_scale"] = Entry((), torch.float32, "scale")
+        if keeps_rng(recipe):
+            out[self.rng_name] = Entry((2,), torch.int64, "rng")
         return out
 
     def batch_entries(self, recipe) -> dict[str, Entry]:
@@ -194,6 +229,13 @@ class Gemm:
         flat = {k[len(p):]: v for k, v in workspace.items() if k.startswith(p)}
         # all(...), not `set <= keys`: torch 2.11's dynamo cannot trace set comparisons.
         cast = cast_from_flat(flat, s) if all(k in flat for k in cast_entries((1, 1), s)) else None
+        if keeps_rng(recipe):
+            rng = workspace.get(self.rng_name)
+            if rng is None:
+                raise KeyError(f"NVFP4BlockScaling's stochastic rounding of gradients needs the workspace entry "
+                               f"{self.rng_name} (its random stream); make the workspaces with "
+                               f"tef.init_workspaces(model, recipe), or set disable_stochastic_rounding=True")
+            return GemmWorkspace(cast, rng=rng)
         if not isinstance(recipe, DelayedScaling):
             # Batch scope: the entries are there for the call (the frame checks all or none are).
             names = self.state_names()
@@ -221,16 +263,22 @@ class Gemm:
                 out[f"{name}_amax_history"], out[f"{name}_scale"] = state
             elif isinstance(state, BatchAmax):
                 out[f"{name}_batch_amax"] = state.amax
+        if gw.rng is not None:
+            out[self.rng_name] = gw.rng
         return out
 
-    def init(self, weight: torch.Tensor, recipe) -> GemmWorkspace:
+    def init(self, weight: torch.Tensor, recipe, path: str = "") -> GemmWorkspace:
         """Fresh state: the cast of the current weight (with the initial scale, 1, under
-        DelayedScaling) and TE's initial states (zero histories, scale 1)."""
+        DelayedScaling), TE's initial states (zero histories, scale 1) and, for NVFP4's
+        stochastic rounding, a stream whose seed is named by the layer's module `path` and
+        this GEMM's weight (so the same model always starts from the same streams, and no two
+        GEMMs of a model share one), counter 0."""
         if recipe is None:
             return GemmWorkspace(None)
         if not isinstance(recipe, DelayedScaling):
             cast, _ = make_cast(weight.detach(), scheme_for(recipe, "weight"))
-            return GemmWorkspace(cast)
+            rng = init_rng_state(rng_seed(f"{path}.{self.weight}"), weight.device) if keeps_rng(recipe) else None
+            return GemmWorkspace(cast, rng=rng)
         states = {role: init_delayed_state(recipe, weight.device) for role in ROLES_OF_GEMM}
         cast, _ = make_cast(weight.detach(), scheme_for(recipe, "weight"), states["weight"])
         return GemmWorkspace(cast, **states)
@@ -244,6 +292,14 @@ def _batch_scoped(recipe, role: str) -> bool:
         return False          # the gradient stays in high precision
     s = scheme_for(recipe, role)
     return s.block is None and s.rule == "current"
+
+
+def keeps_rng(recipe) -> bool:
+    """Whether `recipe`'s backward rounds gradients stochastically, so each GEMM keeps an RNG
+    state: NVFP4 unless disable_stochastic_rounding, or a backward_override (whose backward
+    does not quantize the gradient)."""
+    return (recipe is not None and scheme_for(recipe, "grad").stochastic_rounding
+            and recipe.backward_override is None)
 
 
 # --- recipe identity --------------------------------------------------------------------------
