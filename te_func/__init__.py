@@ -6,6 +6,7 @@ through training steps for code that wants a plain nn.Module.
 
 The package's layers, each importing only those below it:
 
+    freeze.py    freeze: an inference copy holding FP8 weight casts only (nn/frozen.py's layers)
     shell.py     Stateful: the only place anything is mutated
     convert.py   convert: a torch model's layers swapped for te_func's, every tensor kept
     frame.py     functional_call, init_workspaces, autocast, grad: workspace entries by module path
@@ -29,7 +30,8 @@ from .frame import (autocast, functional_call, grad, init_workspaces, upgrade_wo
                     value_and_grad, workspace_spec)
 from .functional._common import set_check_finite
 from .shell import Stateful
+from .freeze import freeze, frozen_layers
 
 __all__ = ["functional", "nn", "quant", "recipe", "convert", "fp8_pays", "autocast", "functional_call", "grad",
            "init_workspaces", "value_and_grad", "workspace_spec", "validate_workspaces",
-           "upgrade_workspaces", "Stateful", "set_check_finite"]
+           "upgrade_workspaces", "Stateful", "set_check_finite", "freeze", "frozen_layers"]

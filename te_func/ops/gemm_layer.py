@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..gemm import gemm
+from ..gemm import gemm, weight_only_gemm
 from ..quant import DelayedState, Quantized, Scheme, WeightCast, dequantize, quantize_scheme, quantize_with_transpose
 from ..quant import scheme_for
 
@@ -51,14 +51,22 @@ class GemmConfig:
     save_input: bool = True
     fast_accum: tuple[bool, bool, bool] = _DEFAULT_FAST_ACCUM     # fprop, dgrad, wgrad
     backward_override: str | None = None
+    # Inference only (te_func.freeze, few tokens): the forward GEMM reads the FP8 weight
+    # dequantized and the input as it is (te_func.gemm.weight_only_gemm). Not a TE mode.
+    weight_only: bool = False
+
+    def __post_init__(self):
+        if self.weight_only and self.save_input:
+            raise ValueError("GemmConfig: weight_only is a forward-only (inference) GEMM; it saves nothing "
+                             "for backward (save_input=False)")
 
     @classmethod
-    def of(cls, recipe, save_input: bool) -> "GemmConfig":
+    def of(cls, recipe, save_input: bool, weight_only: bool = False) -> "GemmConfig":
         """The config `recipe` gives one GEMM (MMParams.use_split_accumulator -> fast_accum)."""
         mm = [getattr(recipe, f"fp8_gemm_{g}", None) for g in ("fprop", "dgrad", "wgrad")]
         fast = tuple(d if p is None else not p.use_split_accumulator for p, d in zip(mm, _DEFAULT_FAST_ACCUM))
         return cls(*(scheme_for(recipe, role) for role in ("input", "weight", "grad")), save_input=save_input,
-                   fast_accum=fast, backward_override=recipe.backward_override)
+                   fast_accum=fast, backward_override=recipe.backward_override, weight_only=weight_only)
 
 
 def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: GemmConfig,
@@ -66,8 +74,12 @@ def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: 
     """x (tokens, in) @ w (out, in).T + bias -> (out (tokens, out), x's cast, x.T's cast or None, new x state).
 
     The cast of x.T (blocks along tokens, what the weight-gradient GEMM reads) is made
-    when backward needs it, in the same pass as x's where the scheme allows.
+    when backward needs it, in the same pass as x's where the scheme allows. With
+    cfg.weight_only x is not quantized (both casts None, the state as it was).
     """
+    if cfg.weight_only:
+        out = weight_only_gemm(x, w)
+        return (out if bias is None else out + bias.to(out.dtype)), None, None, x_state
     if cfg.save_input and cfg.backward_override is None:
         xq, xq_t, new_state = quantize_with_transpose(x, cfg.input, x_state)
     else:
@@ -97,7 +109,8 @@ def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized
 
 
 def _state(history, scale) -> DelayedState | None:
-    return None if history is None else DelayedState(history, scale)
+    # A scale without a history: a forward-only call (te_func.freeze), which records nothing.
+    return None if scale is None else DelayedState(history, scale)
 
 
 def backward_amax(new_g: DelayedState | None) -> torch.Tensor | None:
@@ -146,6 +159,13 @@ class GemmSlot:
             ("w_t", cast.columnwise.data), ("w_t_scale_inv", cast.columnwise.scale_inv),
             ("x_history", x_history), ("x_scale", x_scale),
             ("g_sink", g_sink), ("g_history", g_history), ("g_scale", g_scale))}
+
+    def forward_inputs(self, w: Quantized, x_scale: torch.Tensor | None) -> dict:
+        """This slot's input tensors for a forward-only call (inference, te_func.freeze): the
+        forward GEMM's weight cast and, under DelayedScaling, the input's scale alone."""
+        return {self._n(k): v for k, v in (
+            ("w", w.data), ("w_scale_inv", w.scale_inv), ("x_history", None), ("x_scale", x_scale),
+            ("g_history", None))}
 
     def new_states(self, outputs: dict, x_state: DelayedState | None, g_state: DelayedState | None):
         """The input and grad roles' states after the call: `x_state` with this call's amax

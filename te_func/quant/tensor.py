@@ -42,9 +42,13 @@ pytree.register_pytree_node(
 
 
 class DelayedState(NamedTuple):
-    """Delayed-scaling state of one tensor role: its amax history and current scale."""
-    amax_history: torch.Tensor  # (amax_history_len,) float32; [0] is the current step's slot
-    scale: torch.Tensor         # () float32
+    """Delayed-scaling state of one tensor role: its amax history and current scale.
+
+    A history of None is a forward-only state (a frozen model, te_func.freeze): TE's
+    DelayedScaling at inference quantizes with the scale it has and updates nothing,
+    so nothing is recorded."""
+    amax_history: torch.Tensor | None  # (amax_history_len,) float32; [0] is the current step's slot
+    scale: torch.Tensor                # () float32
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> torch.Tensor:
@@ -96,8 +100,10 @@ def _expand(per_block: torch.Tensor, block: tuple[int, int], shape) -> torch.Ten
 
 
 def _record_amax(state: DelayedState, amax: torch.Tensor) -> DelayedState:
-    """`state` with amax () recorded in the current step's history slot."""
+    """`state` with amax () recorded in the current step's history slot (forward-only: as it is)."""
     history = state.amax_history
+    if history is None:
+        return state
     # Several casts in one step (microbatches) share one slot: keep the largest.
     return DelayedState(torch.cat([torch.maximum(history[:1], amax.reshape(1)), history[1:]]), state.scale)
 
@@ -127,11 +133,12 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state: DelayedState | None = Non
         fused = _fused_cast(x, s, state, with_transpose=False)
         if fused is not None:
             return fused[0], fused[2]
-        amax = amax_of(x)
         if s.rule == "delayed":
-            scale, new_state = state.scale, _record_amax(state, amax)
+            # A forward-only state reads no amax: the reduction would be wasted.
+            recorded = state if state.amax_history is None else _record_amax(state, amax_of(x))
+            scale, new_state = state.scale, recorded
         else:
-            scale, new_state = scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale), None
+            scale, new_state = scale_from_amax(amax_of(x), s.fp8_max, s.amax_epsilon, s.power_2_scale), None
         return Quantized(_cast(x, scale, s), torch.reciprocal(scale)), new_state
 
     blocks = _blocked(x, s.block)
