@@ -176,9 +176,9 @@ def test_compiled_frozen_model_equals_eager_without_a_compile_per_size(recipe):
 
 @pytest.mark.slow
 def test_frozen_model_compiles_with_inductor():
-    """The default backend: fullgraph, one graph per side of the first size (then dynamic). Its
-    fused fp32 reductions (the norms) may round differently, so equal to eager within fp32
-    rounding; without a norm, bit for bit."""
+    """The default backend: fullgraph, at most two graphs for three sizes. Inductor's generated
+    C++ (vectorized, fused bias and activation) rounds fp32 differently from eager, so equal
+    within fp32 rounding (measured 6e-7 max abs); aot_eager above is bit for bit."""
     torch._dynamo.reset()
     recipe = Float8CurrentScaling()
     model = make_model()
@@ -188,7 +188,7 @@ def test_frozen_model_compiles_with_inductor():
     with torch.no_grad():
         for batch in (2, 3, 5):
             x = torch.randn(batch, 8, 64)
-            assert torch.equal(compiled(x), frozen[:2](x))
+            assert torch.allclose(compiled(x), frozen[:2](x), rtol=1e-5, atol=1e-6)
     assert counter.frame_count <= 2
 
 
