@@ -6,6 +6,7 @@ through training steps for code that wants a plain nn.Module.
 
 The package's layers, each importing only those below it:
 
+    freeze.py    freeze: an inference copy holding FP8 weight casts only (nn/frozen.py's layers)
     shell.py     Stateful: the only place anything is mutated
     vmapped.py   per-sample gradients and ensembles: vmap with workspaces folded, stacked, unstacked
     convert.py   convert: a torch model's layers swapped for te_func's, every tensor kept
@@ -34,9 +35,10 @@ from .functional._common import set_check_finite
 from .shell import Stateful
 from .vmapped import (fold_workspaces, per_sample_grad, per_sample_value_and_grad, stack_module_state,
                       stack_workspaces, unstack_module_state, unstack_workspaces)
+from .freeze import freeze, frozen_layers
 
 __all__ = ["distributed", "functional", "nn", "quant", "recipe", "convert", "fp8_pays", "autocast", "functional_call", "grad",
            "init_workspaces", "value_and_grad", "workspace_spec", "validate_workspaces",
            "upgrade_workspaces", "Stateful", "set_check_finite", "per_sample_grad",
            "per_sample_value_and_grad", "fold_workspaces", "stack_workspaces", "unstack_workspaces",
-           "stack_module_state", "unstack_module_state"]
+           "stack_module_state", "unstack_module_state", "freeze", "frozen_layers"]

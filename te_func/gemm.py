@@ -13,7 +13,7 @@ import torch
 from .quant import Quantized, dequantize, nvfp4
 from .quant.tensor import nvfp4_block_values
 
-__all__ = ["gemm", "native_fp8_gemm_available"]
+__all__ = ["gemm", "weight_only_gemm", "native_fp8_gemm_available"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,3 +130,21 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool
         # result would lose 16 bits against the fp32 path (measured 1.5e-3 relative on an H200).
         return (dequantize(a, torch.bfloat16) @ dequantize(b, torch.bfloat16).t()).to(out_dtype)
     return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
+
+
+def weight_only_gemm(x: torch.Tensor, w: Quantized) -> torch.Tensor:
+    """(M, K) x (N, K) quantized -> (M, N) = x @ dequantize(w).T, in x's dtype: weight-only FP8.
+
+    The weight is dequantized to x's dtype (bf16 for a bf16 model: exact for MXFP8 and
+    power-of-2 block scales, one rounding for a tensor-wise scale) and the GEMM runs in
+    that dtype on unquantized activations. At a few tokens a GEMM is bound by reading
+    its weight: this one reads FP8 bytes and skips the activation's cast. It reads them
+    only once where the dequantize fuses into the GEMM's prologue (inductor's Triton GEMM
+    templates, torch.compile mode="max-autotune"); otherwise the bf16 weight is written
+    and read again. te_func.freeze chooses it per call shape (`weight_only_tokens`).
+    TE has no such path.
+    """
+    wq = dequantize(w, x.dtype)     # NVFP4 packs two codes a byte: compare the decoded width
+    if x.shape[-1] != wq.shape[-1]:
+        raise ValueError(f"GEMM reduction dims differ: x {tuple(x.shape)}, w {tuple(wq.shape)}")
+    return x @ wq.t()

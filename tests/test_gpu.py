@@ -236,3 +236,84 @@ def test_per_sample_grads_on_cuda(cuda, recipe):
     for k in batch_ws:
         if k.endswith("amax_history"):
             assert torch.allclose(by_batch_ws[k], batch_ws[k], rtol=1e-3), k
+
+
+# --- tef.freeze on the GPU ---------------------------------------------------------------------
+
+def _frozen_block(cuda, recipe, dtype=torch.bfloat16):
+    """Two LayerNormMLPs, trained one step, and their frozen copy."""
+    model = torch.nn.Sequential(*(tef.nn.LayerNormMLP(256, 512, params_dtype=dtype, device=cuda) for _ in range(2)))
+    params, ws = detached_params(model), tef.init_workspaces(model, recipe)
+
+    def loss_fn(p, w, x):
+        out, new_w = tef.functional_call(model, p, w, (x,), recipe=recipe, is_first_microbatch=True)
+        return out.float().square().sum(), new_w
+    for _ in range(2):
+        _, ws = tef.grad(loss_fn)(params, ws, torch.randn(64, 256, device=cuda, dtype=dtype))
+    return model, ws, tef.freeze(model, recipe, workspaces=ws)
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_frozen_model_on_cuda_equals_cached_forward(cuda, recipe):
+    model, ws, frozen = _frozen_block(cuda, recipe)
+    x = torch.randn(4, 16, 256, device=cuda, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want, _ = tef.functional_call(model, detached_params(model), ws, (x,), recipe=recipe,
+                                      is_first_microbatch=False)
+        assert torch.equal(frozen(x), want)
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), tef.recipe.DelayedScaling(amax_history_len=4)],
+                         ids=["current", "delayed"])
+def test_frozen_model_under_cuda_graphs_records_once_and_replays(cuda, recipe, monkeypatch):
+    """mode="reduce-overhead": one recording per shape, then replays, no skip, no re-record."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+    torch._dynamo.reset()
+    counters.clear()
+    recorded = []
+    original = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def counting(self, *args, **kwargs):
+        recorded.append(1)
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
+    _, _, frozen = _frozen_block(cuda, recipe)
+    compiled = torch.compile(frozen, mode="reduce-overhead", fullgraph=True)
+    x = torch.randn(16, 256, device=cuda, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = frozen(x)
+        for _ in range(6):
+            out = compiled(x)
+            assert sqnr(want.double(), out.double()) > 30      # inductor fuses the norms' reductions
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert len(recorded) == 1, len(recorded)
+
+
+def test_freeze_from_cpu_to_cuda_moves_only_fp8(cuda):
+    """A bf16 model on the CPU frozen onto the GPU: the device never holds a high-precision GEMM
+    weight (peak device memory below the bf16 weights' bytes); the result equals freezing on the GPU."""
+    recipe = Float8CurrentScaling()
+    model = torch.nn.Sequential(*(tef.nn.LayerNormMLP(1024, 4096, params_dtype=torch.bfloat16) for _ in range(2)))
+    bf16_bytes = sum(p.numel() * 2 for n, p in model.named_parameters() if n.endswith("_weight") and p.dim() == 2)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(cuda)
+    base = torch.cuda.memory_allocated(cuda)
+    frozen = tef.freeze(model, recipe, device=cuda)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(cuda) - base
+    assert peak < 0.6 * bf16_bytes, (peak, bf16_bytes)
+    on_device = tef.freeze(copy.deepcopy(model).to(cuda), recipe)
+    x = torch.randn(64, 1024, device=cuda, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(frozen(x), on_device(x))
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_weight_only_fp8_on_cuda_matches_float64(cuda, recipe):
+    model, ws, _ = _frozen_block(cuda, recipe)
+    small = tef.freeze(model, recipe, workspaces=ws, weight_only_tokens=64)
+    ref = copy.deepcopy(model).double()
+    x = torch.randn(16, 256, device=cuda, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert sqnr(ref(x.double()), small(x).double()) > 20

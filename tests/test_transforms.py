@@ -448,3 +448,50 @@ def test_stateful_backward_equals_grad_and_compiles(case, recipe):
         assert_grads_match(case, {k: p.grad for k, p in shell.model.named_parameters()}, want)
         assert_grads_match(case, shell.workspaces, ws)          # grad amaxes come from the gradients
     assert 1 <= counter.frame_count <= 2 or len(runs) == 1
+
+
+# --- tef.freeze ---------------------------------------------------------------------------------
+
+def trained_workspaces(s: Setup, params) -> dict:
+    """Workspaces after two training steps: DelayedScaling's scales then come from amaxes (not the
+    initial 1), and its casts were made with them."""
+    ws = tef.init_workspaces(s.model, s.recipe)
+    for _ in range(2 if needs_state(s.recipe) else 1):
+        _, ws = tef.grad(s.loss_fn)(params, ws, s.inputs, s.target, True)
+    return ws
+
+
+@pytest.mark.parametrize("case, recipe", MATRIX)
+def test_frozen_model_equals_cached_forward(case, recipe):
+    """tef.freeze(model, recipe, workspaces=ws) computes what the cached-weight forward computes
+    (functional_call with is_first_microbatch=False, no_grad), bit for bit, and holds no
+    high-precision GEMM weight, no transposed cast and no amax history."""
+    s = make_setup(case, recipe)
+    gemm_layers = [m for m in s.model.modules() if isinstance(m, tef.nn.TEModule) and m.gemms()]
+    if recipe is None or not gemm_layers:
+        with pytest.raises(ValueError, match="recipe is None" if recipe is None else "no te_func GEMM layers"):
+            tef.freeze(s.model, recipe)
+        return
+    params = detached_params(s.model)
+    ws = trained_workspaces(s, params)
+    frozen = tef.freeze(s.model, recipe, workspaces=ws)
+    with torch.no_grad():
+        want, _ = tef.functional_call(s.model, params, ws, s.inputs, s.kwargs, recipe=recipe,
+                                      is_first_microbatch=False)
+        got = frozen(*s.inputs, **s.kwargs)
+    assert torch.equal(case.output(got), case.output(want))
+    # What stays: every tensor of the model but the GEMM weights (biases, norms, embeddings), as it was.
+    state, source = frozen.state_dict(), s.model.state_dict()
+    gemm_weights = {f"{p}.{g.weight}".lstrip(".") for p, m in s.model.named_modules()
+                    if m in gemm_layers for g in m.gemms()}
+    assert_dicts_equal({k: state[k] for k in source.keys() - gemm_weights},
+                       {k: v for k, v in source.items() if k not in gemm_weights})
+    # The rest: per GEMM its forward cast, (DelayedScaling) its input's scale, and each layer's recipe.
+    for path, layer in tef.frozen_layers(frozen).items():
+        p = f"{path}." if path else ""
+        forward_state = {f"{p}{g.weight}_cast.{k}" for g in layer.gemm_specs for k in ("data", "scale_inv")}
+        if needs_state(recipe):
+            forward_state |= {f"{p}{g.prefix}input_scale" for g in layer.gemm_specs}
+        assert {k for k in state if k.startswith(p)} - {p + k for k in layer._parameters} \
+            == forward_state | {f"{p}te_func_recipe"}
+    assert not gemm_weights & state.keys()

@@ -12,7 +12,7 @@ from ..quant import Gemm
 from ._common import autocast_input, check_input, first_microbatch
 from ._gemm import GemmStep
 
-__all__ = ["grouped_linear", "split_sizes", "grouped_gemms"]
+__all__ = ["grouped_linear", "split_sizes", "fp8_split_sizes", "grouped_gemms"]
 
 
 def grouped_gemms(num_gemms: int) -> tuple[Gemm, ...]:
@@ -59,6 +59,18 @@ def split_sizes(m_splits, num_gemms: int, tokens: int, layer: str = "GroupedLine
     return sizes
 
 
+def fp8_split_sizes(m_splits, num_gemms: int, tokens: int, recipe, layer: str = "GroupedLinear") -> list:
+    """`split_sizes`, refusing what FP8 cannot trace: a tensor m_splits under torch.compile."""
+    if recipe is not None and isinstance(m_splits, torch.Tensor) and torch.compiler.is_compiling():
+        # Compiled, a tensor's values are unknown until run time, and FP8 scaling
+        # (per-group amax, blocks along tokens) needs every group's size to trace.
+        raise ValueError(f"{layer}: under torch.compile with an FP8 recipe, pass m_splits as a list of "
+                         f"Python ints (m_splits.tolist() outside the compiled function); the graph is "
+                         f"then specialized to those sizes. A tensor m_splits compiles in high "
+                         f"precision (recipe=None) and works in eager mode with every recipe")
+    return split_sizes(m_splits, num_gemms, tokens, layer)
+
+
 def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
                    biases: Sequence[torch.Tensor | None] | None = None, *, recipe=None,
                    workspace: dict | None = None, is_first_microbatch: bool | None = None,
@@ -87,14 +99,7 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
     check_input(layer, inp, in_features, {**{f"weight{i}": w for i, w in enumerate(weights)},
                                           **{f"bias{i}": b for i, b in enumerate(biases)}}, recipe)
     x = inp.reshape(-1, in_features)                                                # (tokens, in)
-    if recipe is not None and isinstance(m_splits, torch.Tensor) and torch.compiler.is_compiling():
-        # Compiled, a tensor's values are unknown until run time, and FP8 scaling
-        # (per-group amax, blocks along tokens) needs every group's size to trace.
-        raise ValueError(f"{layer}: under torch.compile with an FP8 recipe, pass m_splits as a list of "
-                         f"Python ints (m_splits.tolist() outside the compiled function); the graph is "
-                         f"then specialized to those sizes. A tensor m_splits compiles in high "
-                         f"precision (recipe=None) and works in eager mode with every recipe")
-    sizes = split_sizes(m_splits, n, x.shape[0], layer)
+    sizes = fp8_split_sizes(m_splits, n, x.shape[0], recipe, layer)
     workspace = {} if workspace is None else workspace
     if recipe is None:
         outs = [F.linear(xi, w.to(x.dtype), None if b is None else b.to(x.dtype))

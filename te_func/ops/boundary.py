@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["call", "GradContext", "on_backward"]
+__all__ = ["call", "call_forward", "GradContext", "on_backward"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,15 @@ def _apply(op, names, *values):
 def call(op, **tensors) -> dict:
     """Run `op` on `tensors` (name -> tensor or None); returns its outputs by name."""
     return dict(zip(op.outputs, _apply(op, tuple(tensors), *tensors.values())))
+
+
+def call_forward(op, **tensors) -> dict:
+    """`op`'s forward alone, for inference (te_func.freeze): the math `call` runs, under the
+    same autocast rule, with no autograd node, so nothing is kept for a backward and
+    torch.export sees plain aten ops. Returns its outputs by name."""
+    with _no_autocast(tensors.values()):
+        out = op.forward(tensors)
+    return {k: out.get(k) for k in op.outputs}
 
 
 def on_backward(t: torch.Tensor, fn) -> bool:

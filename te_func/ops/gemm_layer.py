@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..gemm import gemm
+from ..gemm import gemm, weight_only_gemm
 from ..quant import (BatchAmax, DelayedState, Quantized, Scheme, WeightCast, dequantize, quantize_scheme,
                      quantize_with_transpose)
 from ..quant import scheme_for
@@ -59,14 +59,22 @@ class GemmConfig:
     save_input: bool = True
     fast_accum: tuple[bool, bool, bool] = _DEFAULT_FAST_ACCUM     # fprop, dgrad, wgrad
     backward_override: str | None = None
+    # Inference only (te_func.freeze, few tokens): the forward GEMM reads the FP8 weight
+    # dequantized and the input as it is (te_func.gemm.weight_only_gemm). Not a TE mode.
+    weight_only: bool = False
+
+    def __post_init__(self):
+        if self.weight_only and self.save_input:
+            raise ValueError("GemmConfig: weight_only is a forward-only (inference) GEMM; it saves nothing "
+                             "for backward (save_input=False)")
 
     @classmethod
-    def of(cls, recipe, save_input: bool) -> "GemmConfig":
+    def of(cls, recipe, save_input: bool, weight_only: bool = False) -> "GemmConfig":
         """The config `recipe` gives one GEMM (MMParams.use_split_accumulator -> fast_accum)."""
         mm = [getattr(recipe, f"fp8_gemm_{g}", None) for g in ("fprop", "dgrad", "wgrad")]
         fast = tuple(d if p is None else not p.use_split_accumulator for p, d in zip(mm, _DEFAULT_FAST_ACCUM))
         return cls(*(scheme_for(recipe, role) for role in ("input", "weight", "grad")), save_input=save_input,
-                   fast_accum=fast, backward_override=recipe.backward_override)
+                   fast_accum=fast, backward_override=recipe.backward_override, weight_only=weight_only)
 
 
 def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: GemmConfig,
@@ -74,8 +82,12 @@ def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: 
     """x (tokens, in) @ w (out, in).T + bias -> (out (tokens, out), x's cast, x.T's cast or None, new x state).
 
     The cast of x.T (blocks along tokens, what the weight-gradient GEMM reads) is made
-    when backward needs it, in the same pass as x's where the scheme allows.
+    when backward needs it, in the same pass as x's where the scheme allows. With
+    cfg.weight_only x is not quantized (both casts None, the state as it was).
     """
+    if cfg.weight_only:
+        out = weight_only_gemm(x, w)
+        return (out if bias is None else out + bias.to(out.dtype)), None, None, x_state
     if cfg.save_input and cfg.backward_override is None:
         xq, xq_t, new_state = quantize_with_transpose(x, cfg.input, x_state)
     else:
@@ -106,10 +118,11 @@ def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized
 
 
 def _state(s: Scheme, record, scale) -> DelayedState | BatchAmax | None:
-    """A role's state from its tensors: a history and a scale (the delayed rule), or an amax."""
-    if record is None:
-        return None
-    return DelayedState(record, scale) if s.rule == "delayed" else BatchAmax(record)
+    """A role's state from its tensors: a history and a scale (the delayed rule), or an amax.
+    A scale without a history: a forward-only call (te_func.freeze), which records nothing."""
+    if s.rule == "delayed":
+        return None if scale is None else DelayedState(record, scale)
+    return None if record is None else BatchAmax(record)
 
 
 def backward_amax(new_g) -> torch.Tensor | None:
@@ -164,6 +177,13 @@ class GemmSlot:
             ("w_amax", cast.rowwise.global_amax),
             ("x_record", record(x_state)), ("x_scale", scale(x_state)),
             ("g_sink", g_sink), ("g_record", record(g_state)), ("g_scale", scale(g_state)), ("g_rng", g_rng))}
+
+    def forward_inputs(self, w: Quantized, x_scale: torch.Tensor | None) -> dict:
+        """This slot's input tensors for a forward-only call (inference, te_func.freeze): the
+        forward GEMM's weight cast and, under DelayedScaling, the input's scale alone."""
+        return {self._n(k): v for k, v in (
+            ("w", w.data), ("w_scale_inv", w.scale_inv), ("w_amax", w.global_amax), ("x_record", None),
+            ("x_scale", x_scale), ("g_record", None))}
 
     def new_states(self, outputs: dict, x_state, g_state):
         """The input and grad roles' states after the call: `x_state` with this call's amax

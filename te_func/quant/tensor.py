@@ -63,9 +63,13 @@ pytree.register_pytree_node(Quantized, _flatten, _unflatten, serialized_type_nam
 
 
 class DelayedState(NamedTuple):
-    """Delayed-scaling state of one tensor role: its amax history and current scale."""
-    amax_history: torch.Tensor  # (amax_history_len,) float32; [0] is the current step's slot
-    scale: torch.Tensor         # () float32
+    """Delayed-scaling state of one tensor role: its amax history and current scale.
+
+    A history of None is a forward-only state (a frozen model, te_func.freeze): TE's
+    DelayedScaling at inference quantizes with the scale it has and updates nothing,
+    so nothing is recorded."""
+    amax_history: torch.Tensor | None  # (amax_history_len,) float32; [0] is the current step's slot
+    scale: torch.Tensor                # () float32
 
     @property
     def record(self) -> torch.Tensor:
@@ -141,12 +145,14 @@ def _expand(per_block: torch.Tensor, block: tuple[int, int], shape) -> torch.Ten
 
 
 def record_amax(state: DelayedState, amax: torch.Tensor) -> DelayedState:
-    """`state` with amax () recorded in the current step's history slot."""
+    """`state` with amax () recorded in the current step's history slot (forward-only: as it is)."""
     # The amax of a DTensor (a tensor-parallel weight, input or gradient) is a reduction
     # over its shards: the plain history records its global value, the same on every rank.
     full_tensor = getattr(amax, "full_tensor", None)
     amax = amax if full_tensor is None else full_tensor()
     history = state.amax_history
+    if history is None:
+        return state
     # Several casts in one step (microbatches) share one slot: keep the largest.
     return DelayedState(torch.cat([torch.maximum(history[:1], amax.reshape(1)), history[1:]]), state.scale)
 
@@ -222,15 +228,16 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state=None):
         fused = _fused_cast(x, s, state, with_transpose=False)
         if fused is not None:
             return fused[0], fused[2]
-        amax = amax_of(x)
         if s.rule == "delayed":
-            scale, new_state = state.scale, record_amax(state, amax)
+            # A forward-only state (te_func.freeze) reads no amax: the reduction would be wasted.
+            recorded = state if state.amax_history is None else record_amax(state, amax_of(x))
+            scale, new_state = state.scale, recorded
         elif state is not None:     # batch scope: the batch's amax, unless this tensor's is larger
-            amax = torch.maximum(state.amax, amax)
+            amax = torch.maximum(state.amax, amax_of(x))
             scale = scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale)
             new_state = BatchAmax(amax)
         else:
-            scale, new_state = scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale), None
+            scale, new_state = scale_from_amax(amax_of(x), s.fp8_max, s.amax_epsilon, s.power_2_scale), None
         return cast_with_scale(x, scale, s), new_state
 
     if state is not None:

@@ -1,0 +1,129 @@
+"""Frozen FP8 inference (tef.freeze) vs torch bf16 on one GPU: two LayerNormMLP blocks.
+
+    python3 benchmarks/inference.py --out inference.json [--hidden 4096 --ffn 14336]
+
+Two LayerNormMLP(hidden, ffn) blocks in bf16, at 8192 tokens (prefill) and 1 / 16 / 64
+tokens (decode). Each variant is torch.compile'd with the same mode as the bf16 torch
+baseline (default, and "reduce-overhead": CUDA graphs) and timed with
+triton.testing.do_bench (median) in this one process. Variants: frozen Float8CurrentScaling
+and DelayedScaling, FP8 x FP8, and the same with weight-only FP8 for calls of at most 64
+tokens. Prints each time and its ratio to bf16 (speed-up: > 1 is faster) and the resident
+bytes of each model; writes everything as JSON to --out.
+
+`--quick` runs tiny shapes eagerly with host timing on any device (a CPU smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # te_func from this checkout
+
+import torch  # noqa: E402
+
+import te_func as tef  # noqa: E402
+from te_func.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
+
+
+class TorchMLP(torch.nn.Module):
+    """The bf16 baseline: LayerNorm -> Linear -> GELU(tanh) -> Linear, plain torch."""
+
+    def __init__(self, hidden, ffn, device):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden, device=device, dtype=torch.bfloat16)
+        self.fc1 = torch.nn.Linear(hidden, ffn, device=device, dtype=torch.bfloat16)
+        self.fc2 = torch.nn.Linear(ffn, hidden, device=device, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)), approximate="tanh"))
+
+
+def te_blocks(hidden, ffn, device):
+    return torch.nn.Sequential(*(tef.nn.LayerNormMLP(hidden, ffn, params_dtype=torch.bfloat16, device=device)
+                                 for _ in range(2)))
+
+
+def frozen_blocks(recipe, hidden, ffn, device, weight_only_tokens):
+    model = te_blocks(hidden, ffn, "cpu")       # frozen onto the device: only FP8 casts move
+    ws = None
+    if isinstance(recipe, DelayedScaling):
+        # One training step's worth of amaxes, so the scales are real ones.
+        ws = tef.init_workspaces(model, recipe)
+        params = {k: v.detach() for k, v in model.named_parameters()}
+
+        def loss_fn(p, w, x):
+            out, new_w = tef.functional_call(model, p, w, (x,), recipe=recipe, is_first_microbatch=True)
+            return out.float().square().mean(), new_w
+        for _ in range(2):
+            _, ws = tef.grad(loss_fn)(params, ws, torch.randn(256, hidden, dtype=torch.bfloat16))
+    return tef.freeze(model, recipe, workspaces=ws, device=device, weight_only_tokens=weight_only_tokens)
+
+
+def resident_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def time_ms(fn, device, quick) -> float:
+    if device.type == "cuda" and not quick:
+        from triton.testing import do_bench
+        return do_bench(fn, warmup=200, rep=1000, return_mode="median")
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / 3 * 1e3
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--ffn", type=int, default=14336)
+    parser.add_argument("--tokens", default="8192,1,16,64")
+    parser.add_argument("--modes", default="default,reduce-overhead")
+    parser.add_argument("--weight-only-tokens", type=int, default=64)
+    parser.add_argument("--out", required=True, help="where the JSON goes")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, eager, host timing (any device)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    hidden, ffn = (64, 128) if args.quick else (args.hidden, args.ffn)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    modes = ["eager"] if args.quick else args.modes.split(",")
+
+    torch.manual_seed(0)
+    models = {"bf16": torch.nn.Sequential(TorchMLP(hidden, ffn, device), TorchMLP(hidden, ffn, device))}
+    for name, recipe in (("current", Float8CurrentScaling()), ("delayed", DelayedScaling())):
+        models[f"fp8 {name}"] = frozen_blocks(recipe, hidden, ffn, device, 0)
+        models[f"fp8 {name} weight-only<={args.weight_only_tokens}"] = frozen_blocks(
+            recipe, hidden, ffn, device, args.weight_only_tokens)
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "date": datetime.date.today().isoformat(), "hidden": hidden, "ffn": ffn,
+              "command": " ".join(sys.argv), "resident_bytes": {k: resident_bytes(m) for k, m in models.items()},
+              "ms": {}}
+    print(f"two LayerNormMLP {hidden}x{ffn} blocks, bf16, on {result['device']}")
+    for name, b in result["resident_bytes"].items():
+        print(f"  resident {name:<32}{b / 2**20:10.1f} MiB  {b / result['resident_bytes']['bf16']:.3f}x bf16")
+    with torch.no_grad():
+        for mode in modes:
+            for n in tokens:
+                x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16)
+                row = {}
+                for name, model in models.items():
+                    torch._dynamo.reset()
+                    fn = model if mode == "eager" else torch.compile(model, mode=None if mode == "default" else mode,
+                                                                     fullgraph=True)
+                    row[name] = time_ms(lambda: fn(x), device, args.quick)
+                result["ms"][f"{mode}/{n}"] = row
+                print(f"{mode:>16} {n:>5} tokens: " + "  ".join(
+                    f"{k} {v:.3f} ms ({row['bf16'] / v:.2f}x)" for k, v in row.items()))
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""`tef.freeze`: a te_func model for inference, holding its GEMM weights in FP8 only.
+
+`freeze(model, recipe)` returns a copy of `model` (the same class: a HuggingFace model
+keeps `generate`) in which each te_func GEMM layer is its frozen form
+(te_func.nn.frozen): the forward cast of each weight and its scales, the non-GEMM
+parameters, nothing else. The copy is made without the GEMM weights, and the casts are
+made layer by layer where the weights are, so only FP8 bytes reach `device`; a model on
+`meta` gives a skeleton on `meta` to load a frozen checkpoint into (`assign=True`).
+
+Which casts: those in `workspaces` when given (what `tef.functional_call(model, params,
+workspaces, ..., is_first_microbatch=False)` reads, so the frozen model computes what
+that call computes, bit for bit), else casts of the current weights. DelayedScaling's
+scales live in the workspaces, so that recipe needs them.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .frame import _check_recipe, validate_workspaces
+from .functional._gemm import GemmStep
+from .nn import TEModule
+from .nn.frozen import FROZEN_LAYERS, FrozenLayer
+from .quant import Quantized
+from .recipe import DelayedScaling
+from .shell import Stateful
+
+__all__ = ["freeze", "frozen_layers"]
+
+
+def _gemm_layers(model: nn.Module) -> list[tuple[str, TEModule]]:
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, TEModule) and m.gemms()]
+
+
+def _gemm_only_weights(model: nn.Module, layers) -> list[nn.Parameter]:
+    """The GEMM weights that nothing else holds (a weight tied to an embedding stays)."""
+    gemm = {id(m.get_parameter(g.weight)) for _, m in layers for g in m.gemms()}
+    elsewhere = {id(p) for m in model.modules() if not (isinstance(m, TEModule) and m.gemms())
+                 for p in m._parameters.values() if p is not None}
+    elsewhere |= {id(p) for _, m in layers for name, p in m._parameters.items()
+                  if p is not None and name not in {g.weight for g in m.gemms()}}
+    return [m.get_parameter(g.weight) for _, m in layers for g in m.gemms()
+            if id(m.get_parameter(g.weight)) in gemm - elsewhere]
+
+
+def _check_finite(path: str, name: str, weight: torch.Tensor):
+    if weight.device.type == "meta":
+        return
+    bad = (~torch.isfinite(weight)).sum().item()
+    if bad:
+        where = f"{path}.{name}" if path else name
+        raise ValueError(f"tef.freeze: {where} holds {bad} non-finite value(s) (NaN or inf) out of "
+                         f"{weight.numel()}; its FP8 cast would saturate or propagate them into every "
+                         f"output. Find where they come from before freezing")
+
+
+def _own(t: torch.Tensor, device) -> torch.Tensor:
+    # A tensor of the frozen model's own (not a view of a workspace entry: a load_state_dict
+    # into the frozen model must not write into the trained model's workspaces).
+    return t.to(device if device is not None else t.device, copy=True)
+
+
+def _frozen(path: str, source: TEModule, skeleton: nn.Module, recipe, ws: dict | None, device,
+            weight_only_tokens: int) -> FrozenLayer:
+    """The frozen form of `source`, its non-GEMM parameters taken from `skeleton` (its copy)."""
+    prefix = f"{path}." if path else ""
+    casts, scales = {}, {}
+    for g in source.gemms():
+        weight = source.gemm_weight(g.weight)
+        _check_finite(path, g.weight, weight)
+        # The cast and scale exactly as the cached-weight forward reads them: its own code path.
+        local = {k[len(prefix):]: v for k, v in ws.items() if k.startswith(prefix)} if ws is not None \
+            else g.write(g.init(weight, recipe), recipe)
+        step = GemmStep.begin(g, weight, recipe, local, False, update_state=False)
+        cast = step.state.cast.rowwise
+        amax = None if cast.global_amax is None else _own(cast.global_amax, device)
+        casts[g.weight] = Quantized(_own(cast.data, device), _own(cast.scale_inv, device), cast.block, amax,
+                                    cast.columns)
+        if step.state.input is not None:
+            scales[g.weight] = _own(step.state.input.scale, device)
+    return FROZEN_LAYERS[type(source)](skeleton, recipe, casts, scales, weight_only_tokens)
+
+
+def freeze(model: nn.Module, recipe, *, workspaces: dict | None = None, device=None,
+           weight_only_tokens: int = 0) -> nn.Module:
+    """An inference copy of `model` holding each GEMM weight as its FP8 forward cast only.
+
+    model: an nn.Module with te_func layers (tef.convert makes them), or a tef.Stateful
+    (its model and workspaces are used). recipe: the FP8 recipe the model runs with.
+    workspaces: the model's workspaces (tef.init_workspaces, a training step's new_ws,
+    shell.workspaces): their casts and DelayedScaling scales are frozen; needed under
+    DelayedScaling. Without them the current weights are cast.
+    device: where the frozen model lives (default: where the model is); only the FP8
+    casts and the non-GEMM parameters are moved there.
+    weight_only_tokens: calls of at most this many tokens (the product of the input's
+    leading dims) run weight-only FP8: the FP8 weight dequantized to the input's dtype,
+    the input not quantized (te_func.gemm.weight_only_gemm; not a TE mode). 0: never.
+
+    The copy is in eval mode, its parameters do not require grad, and the model passed in
+    is not modified.
+    """
+    if isinstance(model, Stateful):
+        if recipe != model.recipe:
+            raise ValueError(f"tef.freeze: the shell runs {model.recipe!r}, not {recipe!r}")
+        workspaces = model.workspaces if workspaces is None else workspaces
+        model = model.model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tef.freeze: model must be a torch.nn.Module, got {type(model).__name__}")
+    if recipe is None:
+        raise ValueError("tef.freeze: recipe is None; a high-precision model needs no freezing (model.eval() "
+                         "under torch.no_grad() is its inference form). Pass the FP8 recipe the model runs with")
+    _check_recipe(recipe)
+    if isinstance(weight_only_tokens, bool) or not isinstance(weight_only_tokens, int) or weight_only_tokens < 0:
+        raise ValueError(f"tef.freeze: weight_only_tokens must be an int >= 0, got {weight_only_tokens!r}")
+    layers = _gemm_layers(model)
+    if not layers:
+        frozen_inside = any(isinstance(m, FrozenLayer) for m in model.modules())
+        raise ValueError(f"tef.freeze: {type(model).__name__} has no te_func GEMM layers to freeze"
+                         + (" (it is frozen already)" if frozen_inside else
+                            "; convert it first: tef.freeze(tef.convert(model), recipe)"))
+    for path, m in layers:
+        if type(m) not in FROZEN_LAYERS:
+            raise TypeError(f"tef.freeze: {path or '(root)'} is a {type(m).__name__}, a subclass of a te_func layer "
+                            f"whose forward may differ; te_func freezes {', '.join(t.__name__ for t in FROZEN_LAYERS)}")
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    if workspaces is not None:
+        validate_workspaces(model, workspaces, recipe)
+    elif isinstance(recipe, DelayedScaling) and not on_meta:
+        raise ValueError("tef.freeze: under DelayedScaling the scales live in the workspaces: pass the "
+                         "model's, tef.freeze(model, recipe, workspaces=ws) (a training step's new_ws, or "
+                         "shell.workspaces; tef.freeze(shell, recipe) takes them from a tef.Stateful)")
+    with torch.no_grad():
+        # Copied without its GEMM weights: they are never duplicated, nor moved to `device`.
+        memo = {id(p): None for p in _gemm_only_weights(model, layers)}
+        frozen = copy.deepcopy(model, memo)
+        if device is not None and not on_meta:
+            frozen.to(device)
+        sources = {id(memo[id(m)]): (path, m) for path, m in layers}
+        built = {}
+        for parent in [frozen, *frozen.modules()]:
+            for name, child in list(parent._modules.items()):
+                if child is not None and id(child) in sources:
+                    if id(child) not in built:
+                        path, source = sources[id(child)]
+                        built[id(child)] = _frozen(path, source, child, recipe, workspaces,
+                                                   None if on_meta else device, weight_only_tokens)
+                    parent._modules[name] = built[id(child)]
+        if id(frozen) in sources:           # the model is itself one te_func layer
+            path, source = sources[id(frozen)]
+            frozen = _frozen(path, source, frozen, recipe, workspaces, None if on_meta else device,
+                             weight_only_tokens)
+    frozen.requires_grad_(False)
+    return frozen.eval()
+
+
+def frozen_layers(model: nn.Module) -> dict[str, FrozenLayer]:
+    """The frozen te_func layers of `model`, by path."""
+    return {path: m for path, m in model.named_modules() if isinstance(m, FrozenLayer)}

@@ -1,0 +1,224 @@
+"""Frozen GEMM layers: a te_func GEMM layer as inference keeps it (built by `tef.freeze`).
+
+A frozen layer holds, for each of its GEMMs, only what the forward GEMM reads:
+
+    {weight}_cast.data        (out, in) FP8    the weight's cast in the forward layout
+    {weight}_cast.scale_inv   () or blocks     its decode factors
+    {prefix}input_scale       () float32       DelayedScaling only: the scale the GEMM's input
+                                               is quantized with (fixed: inference updates nothing)
+
+named as the workspace entries they come from, plus the layer's other parameters under
+TE's names (biases, norm weights; requires_grad False) and `te_func_recipe`, the
+fingerprint of the recipe the casts were made for, as every workspace dict has. No
+high-precision GEMM weight, no transposed cast, no amax history.
+
+Forward runs the training layer's own forward math (te_func.ops, through `call_forward`:
+the same casts, GEMMs, norm and activation, without an autograd node), so a frozen layer
+computes what the trained layer computes with its cached casts. It is inference-only: an
+input that requires grad is refused.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..functional._common import autocast_input, check_input
+from ..functional._fused import norm_config
+from ..functional.grouped_linear import fp8_split_sizes
+from ..ops import (GemmConfig, GemmSlot, GroupedLinearFP8, LayerNormLinearFP8, LayerNormMLPFP8, LinearFP8,
+                   call_forward)
+from ..ops.activations import activation_spec
+from ..quant import Quantized
+from ..quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, fingerprint_entry
+from ..recipe import DelayedScaling, fingerprint
+from ._fused import te_outputs
+from .grouped_linear import GroupedLinear
+from .layernorm_linear import LayerNormLinear
+from .layernorm_mlp import LayerNormMLP
+from .linear import Linear, TransposedLinear
+
+__all__ = ["FrozenCast", "FrozenLayer", "FrozenLinear", "FrozenLayerNormLinear", "FrozenLayerNormMLP",
+           "FrozenGroupedLinear", "FROZEN_LAYERS"]
+
+
+class FrozenCast(nn.Module):
+    """One GEMM weight's forward cast: buffers `data` (out, in) and `scale_inv`, and under
+    NVFP4 `global_amax` (None otherwise, so not in the state_dict)."""
+
+    def __init__(self, cast: Quantized):
+        super().__init__()
+        self.block, self.columns = cast.block, cast.columns
+        self.register_buffer("data", cast.data)
+        self.register_buffer("scale_inv", cast.scale_inv)
+        self.register_buffer("global_amax", cast.global_amax)
+
+    def quantized(self) -> Quantized:
+        return Quantized(self.data, self.scale_inv, self.block, self.global_amax, self.columns)
+
+
+class FrozenLayer(nn.Module):
+    """What the frozen layers share: their state, the checks of a call and of a checkpoint.
+
+    source: the te_func layer (its options and non-GEMM parameters are taken over; its
+    GEMM weights are not read); casts: GEMM weight name -> its forward cast; input_scales:
+    GEMM weight name -> the input's scale (DelayedScaling); weight_only_tokens: calls of
+    at most this many tokens run weight-only FP8 (te_func.gemm.weight_only_gemm), 0 never.
+    """
+    features_attr = "in_features"      # the option that names the input's last dim
+
+    def __init__(self, source: nn.Module, recipe, casts: dict, input_scales: dict, weight_only_tokens: int = 0):
+        super().__init__()
+        self.layer = f"frozen {type(source).__name__}"
+        # The source's options (in_features, eps, activation, return_bias, ...), as plain attributes.
+        for k, v in vars(source).items():
+            if not k.startswith("_") and k != "training":
+                setattr(self, k, v)
+        self.recipe, self.weight_only_tokens = recipe, weight_only_tokens
+        self.gemm_specs = tuple(source.gemms())
+        weights = {g.weight for g in self.gemm_specs}
+        for name, p in source._parameters.items():
+            if name not in weights:
+                self.register_parameter(name, None if p is None else nn.Parameter(p.detach(), requires_grad=False))
+        for g in self.gemm_specs:
+            self.add_module(f"{g.weight}_cast", FrozenCast(casts[g.weight]))
+            if isinstance(recipe, DelayedScaling):
+                self.register_buffer(f"{g.prefix}input_scale", input_scales[g.weight])
+        self.register_buffer(RECIPE_KEY, fingerprint_entry(recipe, casts[self.gemm_specs[0].weight].data.device))
+        # Both configs a call can pick, made once: FP8 x FP8, and weight-only for few tokens.
+        self._configs = {w: GemmConfig.of(recipe, save_input=False, weight_only=w) for w in (False, True)}
+        if hasattr(self, "normalization"):      # the norm-fused layers
+            self.norm = norm_config(self.layer, self.normalization, self.eps, self.zero_centered_gamma)
+
+    # --- a call -------------------------------------------------------------------------------
+
+    def _params(self) -> dict:
+        return {k: p for k, p in self._parameters.items() if p is not None}
+
+    def _tokens(self, inp: torch.Tensor) -> torch.Tensor:
+        """The checked input in autocast's dtype (as the training layer takes it)."""
+        features = getattr(self, self.features_attr)
+        check_input(self.layer, inp, features, self._params(), self.recipe)
+        if torch.is_grad_enabled() and inp.requires_grad:
+            raise RuntimeError(f"{self.layer}: a frozen model (tef.freeze) is for inference only: it keeps no "
+                               f"high-precision weights and computes no gradients, and its input requires grad. "
+                               f"Call it under torch.no_grad() or torch.inference_mode() on inputs that do not "
+                               f"require grad; to train, train the model itself and freeze it afterwards")
+        device = self.get_submodule(f"{self.gemm_specs[0].weight}_cast").data.device
+        if inp.device != device:
+            raise ValueError(f"{self.layer}: input is on {inp.device} but the frozen weights are on {device}; "
+                             f"move one of them (frozen.to(device) or inp.to(device))")
+        return autocast_input(inp)
+
+    def _slots(self, tokens) -> tuple[tuple[GemmSlot, ...], dict]:
+        """(one slot per GEMM, their tensors by name) for a call of `tokens` tokens. Weight-only or
+        not is decided here, by the call's shape: under torch.compile a guard on the token
+        count, so each side of the threshold has its own graph."""
+        weight_only = self.weight_only_tokens > 0 and tokens <= self.weight_only_tokens
+        cfg = self._configs[bool(weight_only)]
+        slots, tensors = [], {}
+        for g in self.gemm_specs:
+            slot = GemmSlot(cfg, g.weight, f"{g.weight}.")
+            scale = getattr(self, f"{g.prefix}input_scale", None)
+            tensors.update(slot.forward_inputs(self.get_submodule(f"{g.weight}_cast").quantized(), scale))
+            slots.append(slot)
+        return tuple(slots), tensors
+
+    # --- a checkpoint -------------------------------------------------------------------------
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        own = {**{k: v for k, v in self._parameters.items() if v is not None}, **self._buffers,
+               **{f"{n}.{k}": v for n, m in self._modules.items() for k, v in m._buffers.items()}}
+        if any(prefix + k in state_dict for k in own):
+            self._check_checkpoint(state_dict, prefix, own)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _check_checkpoint(self, state_dict, prefix, own):
+        where = prefix.rstrip(".") or "(root)"
+        made_for = state_dict.get(prefix + RECIPE_KEY)
+        if made_for is None:
+            raise KeyError(f"{self.layer} at {where!r}: the checkpoint has no {prefix + RECIPE_KEY!r} entry, so "
+                           f"which recipe made its FP8 casts is unknown: it is not a frozen te_func checkpoint "
+                           f"(save one with frozen.state_dict())")
+        if tuple(made_for.shape) != RECIPE_ENTRY.shape or made_for.dtype != RECIPE_ENTRY.dtype or \
+                made_for.device.type == "meta":
+            raise ValueError(f"{self.layer} at {where!r}: checkpoint entry {prefix + RECIPE_KEY!r} is not a "
+                             f"te_func recipe fingerprint ({RECIPE_ENTRY.shape} int64)")
+        version, fp = made_for.tolist()
+        if version != FORMAT_VERSION or fp != fingerprint(self.recipe):
+            raise ValueError(f"{self.layer} at {where!r}: this frozen checkpoint was made for another recipe (or "
+                             f"other recipe options, or te_func format {version}) than {self.recipe!r}; its FP8 "
+                             f"casts cannot be read under this one. Freeze with the checkpoint's recipe, or "
+                             f"freeze the trained model again with this one")
+        for k, v in own.items():
+            t = state_dict.get(prefix + k)
+            if t is not None and (tuple(t.shape) != tuple(v.shape) or t.dtype != v.dtype):
+                raise ValueError(f"{self.layer} at {where!r}: checkpoint entry {prefix + k!r} has shape "
+                                 f"{tuple(t.shape)} and dtype {t.dtype}, but this layer holds {tuple(v.shape)} "
+                                 f"{v.dtype}: the checkpoint is of another model")
+
+    def extra_repr(self) -> str:
+        return f"recipe={self.recipe!r}, weight_only_tokens={self.weight_only_tokens}"
+
+
+class FrozenLinear(FrozenLayer):
+    """Frozen Linear and TransposedLinear: forward(inp (..., in_features)) -> (..., out_features),
+    or (out, bias) with return_bias, as the source layer."""
+
+    def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None):
+        inp = self._tokens(inp)
+        x = inp.reshape(-1, self.in_features)                                       # (tokens, in)
+        (slot,), t = self._slots(x.shape[0])
+        out = call_forward(LinearFP8(slot), x=x, bias=None if self.return_bias else self.bias, **t)["out"]
+        out = out.reshape(*inp.shape[:-1], self.out_features)
+        return (out, self.bias) if self.return_bias else out
+
+
+class FrozenLayerNormLinear(FrozenLayer):
+    """Frozen LayerNormLinear: returns what the source layer returns."""
+
+    def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None):
+        inp = self._tokens(inp)
+        x = inp.reshape(-1, self.in_features)                                       # (tokens, in)
+        (slot,), t = self._slots(x.shape[0])
+        res = call_forward(LayerNormLinearFP8(slot, self.norm), x=x, ln_weight=self.layer_norm_weight,
+                           ln_bias=self.layer_norm_bias, bias=None if self.return_bias else self.bias, **t)
+        out = res["out"].reshape(*inp.shape[:-1], self.out_features)
+        ln_out = res["ln_out"].reshape(inp.shape) if self.return_layernorm_output else None
+        return te_outputs(out, self.bias, ln_out, self.return_bias, self.return_layernorm_output)
+
+
+class FrozenLayerNormMLP(FrozenLayer):
+    """Frozen LayerNormMLP: returns what the source layer returns."""
+    features_attr = "hidden_size"
+
+    def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None):
+        inp = self._tokens(inp)
+        x = inp.reshape(-1, self.hidden_size)                                       # (tokens, hidden)
+        (fc1, fc2), t = self._slots(x.shape[0])
+        res = call_forward(LayerNormMLPFP8(fc1, fc2, self.norm, activation_spec(self.activation, self.activation_params)), x=x, ln_weight=self.layer_norm_weight,
+                           ln_bias=self.layer_norm_bias, fc1_bias=self.fc1_bias,
+                           fc2_bias=None if self.return_bias else self.fc2_bias, **t)
+        out = res["out"].reshape(inp.shape)
+        ln_out = res["ln_out"].reshape(inp.shape) if self.return_layernorm_output else None
+        return te_outputs(out, self.fc2_bias, ln_out, self.return_bias, self.return_layernorm_output)
+
+
+class FrozenGroupedLinear(FrozenLayer):
+    """Frozen GroupedLinear: forward(inp, m_splits) as the source layer's (weight-only by the
+    call's total token count)."""
+
+    def forward(self, inp: torch.Tensor, m_splits, *, is_first_microbatch: bool | None = None):
+        inp = self._tokens(inp)
+        x = inp.reshape(-1, self.in_features)                                       # (tokens, in)
+        sizes = fp8_split_sizes(m_splits, self.num_gemms, x.shape[0], self.recipe, self.layer)
+        slots, t = self._slots(x.shape[0])
+        res = call_forward(GroupedLinearFP8(slots), x=x, **{f"m{i}": m for i, m in enumerate(sizes)},
+                           **{f"bias{i}": getattr(self, f"bias{i}") for i in range(self.num_gemms)}, **t)
+        return res["out"].reshape(*inp.shape[:-1], self.out_features)
+
+
+# Each te_func GEMM layer's frozen form (exact types: a subclass may compute something else).
+FROZEN_LAYERS = {Linear: FrozenLinear, TransposedLinear: FrozenLinear, LayerNormLinear: FrozenLayerNormLinear,
+                 LayerNormMLP: FrozenLayerNormMLP, GroupedLinear: FrozenGroupedLinear}
