@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..nn import TEModule
 from ..recipe import DelayedScaling
 from ._amax import amax_reduction_group
 
@@ -34,7 +35,9 @@ def _per_rank_keys(shell) -> list[str]:
         return []
     if dist.get_world_size() == 1 or amax_reduction_group(shell.recipe, shell.amax_group) is not None:
         return []
-    return [k for k in shell.workspaces if k.endswith(("_amax_history", "_scale"))]
+    # By the entries' declared kinds (te_func.quant.workspace.Entry), not by their names.
+    return [f"{path}.{k}" if path else k for path, m in shell.model.named_modules() if isinstance(m, TEModule)
+            for k, e in m.workspace_spec(shell.recipe).items() if e.kind in ("amax_history", "scale")]
 
 
 def _world_mesh(device: torch.device):
