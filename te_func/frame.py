@@ -156,8 +156,10 @@ def _made_for_problem(ws: dict, recipe) -> tuple[type, str] | None:
         return None
     version, fp = made_for
     if version != FORMAT_VERSION:
+        how = ("convert them with tef.upgrade_workspaces(ws, model, recipe)" if version in _UPGRADABLE
+               else "make new ones with tef.init_workspaces(model, recipe)")
         return ValueError, (f"these workspaces are in te_func's workspace format {version}; this te_func reads "
-                            f"format {FORMAT_VERSION}: make new ones with tef.init_workspaces(model, recipe)")
+                            f"format {FORMAT_VERSION}: {how}")
     if fp != fingerprint(recipe):
         return ValueError, (f"these workspaces were made for another recipe (or other recipe options) than "
                             f"{recipe!r}: make them with tef.init_workspaces(model, recipe) for the recipe you "
@@ -288,7 +290,8 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
             scope.amax_groups.update(dict.fromkeys(backward, group))
     args = args if isinstance(args, tuple) else (args,)
     frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"),
-                  update_state=torch.is_grad_enabled(), watch=_watch)
+                  update_state=torch.is_grad_enabled(), batch_scales=any(s.batch_scales for s in scopes),
+                  watch=_watch)
     with _model_lock(model), push(frame), distributed.gathered_params(model, params) as params:
         out = torch.func.functional_call(model, params, args, kwargs or {})
     new_ws = {**ws, **frame.updates}
@@ -426,13 +429,30 @@ def _format1_repr(recipe) -> str:
     return f"{name}({', '.join(f'{f}={value(getattr(recipe, f))}' for f in _FORMAT1_FIELDS[name])})"
 
 
+_UPGRADABLE = (1, 2)
+
+
 def upgrade_workspaces(old: dict, model: nn.Module, recipe) -> dict:
-    """Workspaces written by te_func 0.1 (format 1: the recipe's repr and `made_by=` entries in
-    key names), as this version keeps them. Refused unless `old` was made for `recipe`."""
+    """Workspaces of an earlier format, as this version keeps them. Format 1 (te_func 0.1: the
+    recipe's repr and `made_by=` entries in key names); format 2 (MXFP8 scales as
+    float8_e8m0fnu, now their bytes as uint8). Refused unless `old` was made for `recipe`."""
     _check_recipe(recipe)
+    t = old.get(RECIPE_KEY)
+    if isinstance(t, torch.Tensor) and tuple(t.shape) == RECIPE_ENTRY.shape and t.dtype == RECIPE_ENTRY.dtype:
+        version, fp = (int(v) for v in t.tolist())
+        if version != 2:
+            raise ValueError(f"upgrade_workspaces: these workspaces are in format {version}, not 1 or 2")
+        if fp != fingerprint(recipe):
+            raise ValueError(f"upgrade_workspaces: these workspaces were made for another recipe than {recipe!r}")
+        new = {k: v.view(torch.uint8).clone() if v.dtype == torch.float8_e8m0fnu else v.clone()
+               for k, v in old.items() if k != RECIPE_KEY}
+        new[RECIPE_KEY] = fingerprint_entry(recipe, t.device)
+        validate_workspaces(model, new, recipe)
+        return new
     made_for = [k[len("te_func.recipe="):] for k in old if k.startswith("te_func.recipe=")]
     if not made_for:
-        raise ValueError("upgrade_workspaces: these are not format-1 workspaces (no 'te_func.recipe=...' entry)")
+        raise ValueError("upgrade_workspaces: these are not te_func workspaces of an earlier format (neither a "
+                         f"{RECIPE_KEY!r} entry nor format 1's 'te_func.recipe=...' entry)")
     if made_for[0] != _format1_repr(recipe):
         raise ValueError(f"upgrade_workspaces: these workspaces were made for {made_for[0]}, not "
                          f"{_format1_repr(recipe)}")

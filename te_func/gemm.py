@@ -11,7 +11,7 @@ import functools
 import torch
 
 from .quant import Quantized, dequantize, nvfp4
-from .quant.tensor import nvfp4_block_values
+from .quant.tensor import batched_by_vmap, nvfp4_block_values
 
 __all__ = ["gemm", "weight_only_gemm", "native_fp8_gemm_available"]
 
@@ -34,13 +34,11 @@ def native_fp8_gemm_available(device: torch.device) -> bool:
 
 
 def _plain_2d(a: Quantized, b: Quantized) -> bool:
-    if a.data.dim() != 2 or b.data.dim() != 2:
-        return False
-    # Under vmap: the scaled GEMMs have no batching rule.
-    return not (torch._C._functorch.is_batchedtensor(a.data) or torch._C._functorch.is_batchedtensor(b.data))
+    return a.data.dim() == 2 and b.data.dim() == 2 and not (batched_by_vmap(a.data) or batched_by_vmap(b.data))
 
 
 def _use_scaled_mm(a: Quantized, b: Quantized) -> bool:
+    """Tensor-wise scaled operands that `torch._scaled_mm` takes, batched by vmap or not."""
     # The device first: a shape test on a symbolic size (a routed group's tokens under
     # torch.compile) would guard on it, and a CPU never needs to.
     if not native_fp8_gemm_available(a.data.device):
@@ -49,10 +47,51 @@ def _use_scaled_mm(a: Quantized, b: Quantized) -> bool:
         return False
     if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
         return False  # no E5M2 x E5M2 kernel
-    if not _plain_2d(a, b):
+    if a.data.dim() != 2 or b.data.dim() != 2:
         return False
     k, n = a.data.shape[-1], b.data.shape[0]
     return not (k % 16 or n % 16)   # _scaled_mm needs K and N multiples of 16
+
+
+@torch.library.custom_op("te_func::scaled_mm", mutates_args=())
+def _batched_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                       out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """a (M, K) x b (N, K) -> (M, N) in one torch._scaled_mm, for operands batched by vmap:
+    torch._scaled_mm has no batching rule (vmap would loop over slices in layouts cuBLASLt
+    refuses), this op has one (below)."""
+    a, b, scale_a, scale_b = (_aligned(t.contiguous()) for t in (a, b, scale_a, scale_b))
+    return torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    # cuBLASLt refuses operands and scales that do not start on 16 bytes: a sample's slice
+    # of a batch (its scale, one float into the batch's) need not.
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+@_batched_scaled_mm.register_fake
+def _(a, b, scale_a, scale_b, out_dtype, fast_accum):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@_batched_scaled_mm.register_vmap
+def _(info, in_dims, a, b, scale_a, scale_b, out_dtype, fast_accum):
+    dim_a, dim_b, dim_sa, dim_sb = in_dims[:4]
+    if dim_a is not None and dim_b is None and dim_sa is None and dim_sb is None:
+        # Samples of one operand against a shared weight with shared scales (a forward or an
+        # input-gradient GEMM; per-sample gradients in batch scope): the samples' rows stacked
+        # are the batch's GEMM, so it is one GEMM and gives the batch's result bit for bit.
+        a = a.movedim(dim_a, 0)
+        out = _batched_scaled_mm(a.flatten(0, 1), b, scale_a, scale_b, out_dtype, fast_accum)
+        return out.unflatten(0, a.shape[:2]), 0
+    # Both operands per sample (a weight-gradient GEMM) or per-sample scales: one GEMM a sample.
+    def sample(t, dim, i):
+        return t if dim is None else t.select(dim, i)
+    outs = [_batched_scaled_mm(sample(a, dim_a, i), sample(b, dim_b, i), sample(scale_a, dim_sa, i),
+                               sample(scale_b, dim_sb, i), out_dtype, fast_accum)
+            for i in range(info.batch_size)]
+    return torch.stack(outs), 0
 
 
 def _use_blockwise_scaled_mm(a: Quantized, b: Quantized) -> bool:
@@ -81,8 +120,8 @@ def _pow2_blocks_on_gpu(a: Quantized, b: Quantized) -> bool:
     # MXFP8's E8M0 scales are powers of 2 and an FP8 value times one is exact in
     # bf16 (3 or 2 mantissa bits, fp32's exponent range): a bf16 GEMM with fp32
     # accumulation computes the same function as the fp32 one, at tensor-core speed.
-    return (a.data.device.type == "cuda" and a.scale_inv.dtype == torch.float8_e8m0fnu
-            and b.scale_inv.dtype == torch.float8_e8m0fnu)
+    return (a.data.device.type == "cuda" and a.scale_inv.dtype == torch.uint8    # E8M0 bytes
+            and b.scale_inv.dtype == torch.uint8)
 
 
 def _nvfp4_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
@@ -115,6 +154,11 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool
     if a.nvfp4 or b.nvfp4:
         return _nvfp4_gemm(a, b, out_dtype)
     if _use_scaled_mm(a, b):
+        if any(map(batched_by_vmap, (a.data, b.data, a.scale_inv, b.scale_inv))):
+            # Detached: torch._scaled_mm has no derivative either, and a backward under
+            # torch.func.grad would otherwise route the op through an autograd node torch.func refuses.
+            return _batched_scaled_mm(a.data.detach(), b.data.detach(), a.scale_inv.detach(), b.scale_inv.detach(),
+                                      out_dtype, fast_accum)
         # a row-major, b column-major (casts are made row-major; a no-op then).
         return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=a.scale_inv,
                                 scale_b=b.scale_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)

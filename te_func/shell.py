@@ -17,6 +17,7 @@ from .frame import (backward_keys, functional_call, init_workspaces, mark_static
                     validate_workspaces)
 from .nn import TEModule
 from .ops import on_backward
+from .quant.workspace import RECIPE_KEY
 
 __all__ = ["Stateful"]
 
@@ -182,7 +183,7 @@ class Stateful(nn.Module):
         unexpected_keys[:] = [k for k in unexpected_keys if not k.startswith(p)]
         device = next(self.model.parameters(), torch.empty(0)).device
         ws = {k[len(p):]: state_dict[k].to(device) for k in ours}
-        if any(k.startswith("te_func.recipe=") for k in ws):     # written by te_func 0.1
+        if any(k.startswith("te_func.recipe=") for k in ws) or _format_of(ws) == 2:     # an earlier te_func's
             ws = upgrade_workspaces(ws, self.model, self.recipe)
         if ws:
             try:   # a clear error naming the recipe, or the missing or misshapen entry
@@ -238,3 +239,11 @@ class Stateful(nn.Module):
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe!r}" + ("" if self.amax_group is None else f", amax_group={self.amax_group!r}")
+
+
+def _format_of(ws: dict) -> int | None:
+    """The workspace format a checkpoint's recipe entry names (None without one)."""
+    t = ws.get(RECIPE_KEY)
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.numel() != 2:
+        return None
+    return int(t[0])

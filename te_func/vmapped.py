@@ -94,7 +94,7 @@ def per_sample_value_and_grad(fn, in_dims=0, *, scope: str = "sample", chunk_siz
         dims = _arg_dims(in_dims, args)
         _check_one_set(ws)
         batch = _batch_amaxes(step, fn, params, ws, args, dims, keepdim) if scope == "batch" else {}
-        call, keys = CallScope(), []
+        call, keys = CallScope(batch_scales=scope == "batch"), []
 
         def one_sample(params, ws, *args):
             if keepdim:

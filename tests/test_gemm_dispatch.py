@@ -1,4 +1,6 @@
 """Which GEMM runs where: the GPU paths against the exact fp32 emulation."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -28,3 +30,39 @@ def test_gpu_block_gemms_agree_with_the_fp32_emulation(cuda, recipe, b_role):
     out = gemm(aq, bq, torch.bfloat16).double()
     assert torch.isfinite(out).all()
     assert ((out - ref).norm() / ref.norm()).item() < 4e-3
+
+
+def _fp8(*shape, device="cpu"):
+    return torch.randn(*shape, device=device).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_scaled_mm_batching_rule(shared):
+    """te_func::scaled_mm under vmap, run where torch._scaled_mm runs (CPUs included): samples
+    against a shared operand with shared scales are one GEMM over the stacked rows, anything
+    else one GEMM per sample; both equal torch._scaled_mm sample by sample, bit for bit."""
+    from te_func.gemm import _batched_scaled_mm
+    a, scale_b = _fp8(4, 32, 64), torch.tensor(1.5)
+    b, scale_a = (_fp8(48, 64), torch.tensor(0.25)) if shared else (_fp8(4, 48, 64), torch.rand(4) + 0.5)
+    dims = (0, None, None, None) if shared else (0, 0, 0, None)
+    out = torch.func.vmap(_batched_scaled_mm, in_dims=(*dims, None, None))(a, b, scale_a, scale_b, torch.float32, False)
+    ref = torch.stack([torch._scaled_mm(a[i], (b if shared else b[i]).t(), scale_a=scale_a if shared else scale_a[i],
+                                        scale_b=scale_b, out_dtype=torch.float32) for i in range(4)])
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.cuda
+def test_vmapped_gemm_runs_the_batch_gemm(cuda):
+    """Under vmap (per-sample gradients) a tensor-wise FP8 GEMM against a shared weight is the
+    batch's native GEMM, bit for bit: per-sample gradients in batch scope then meet the batch
+    gradient to fp32 summation order, not to the emulation's distance from cuBLAS."""
+    recipe = Float8CurrentScaling()
+    x, w = torch.randn(8, 64, 256, device=cuda), torch.randn(512, 256, device=cuda)
+    xq, _ = quantize_scheme(x.flatten(0, 1), scheme_for(recipe, "input"))
+    wq, _ = quantize_scheme(w, scheme_for(recipe, "weight"))
+    batch = gemm(xq, wq, torch.bfloat16)
+
+    def one(data):
+        return gemm(dataclasses.replace(xq, data=data), wq, torch.bfloat16)
+    per_sample = torch.func.vmap(one)(xq.data.unflatten(0, (8, 64)))
+    assert torch.equal(per_sample.flatten(0, 1), batch)

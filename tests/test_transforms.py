@@ -401,20 +401,17 @@ def test_compiled_train_step_equals_eager(case, recipe):
 # train step takes CI's CPU 30-90 s, so one Linear step each (the aot_eager column above covers
 # every layer, the cached-weight graph and the backward_override variants).
 _INDUCTOR_RECIPES = ("bf16", "current", "mxfp8", "block", "delayed", "nvfp4")
-# torch 2.13's C++ codegen has no float8_e8m0fnu, MXFP8's scale dtype, which the workspaces hold.
-_NO_E8M0_CODEGEN = pytest.mark.xfail(raises=torch._inductor.exc.InductorError, strict=True,
-                                     reason="inductor (torch 2.13, CPU) has no C++ type for float8_e8m0fnu")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case, recipe", [
-    pytest.param(*p.values, id=p.id, marks=[_NO_E8M0_CODEGEN] if p.id.endswith("-mxfp8") else [])
-    for p in MATRIX if p.values[0].name == "Linear" and p.id.split("-", 1)[1] in _INDUCTOR_RECIPES])
+    pytest.param(*p.values, id=p.id) for p in MATRIX
+    if p.values[0].name == "Linear" and p.id.split("-", 1)[1] in _INDUCTOR_RECIPES])
 def test_compiled_train_step_with_inductor(case, recipe):
     """The default backend compiles the train step on CPU under every recipe (float8 casts,
-    _scaled_mm, NVFP4's uint8 codes and int64 Philox stream). Inductor fuses the reductions (bias
-    gradient, SGD update), so equal to eager up to fp32 rounding; the casts and states it
-    leaves are bit-equal."""
+    _scaled_mm, MXFP8's E8M0 scale bytes, NVFP4's uint8 codes and int64 Philox stream).
+    Inductor fuses the reductions (bias gradient, SGD update), so equal to eager up to fp32
+    rounding; the casts and states it leaves are bit-equal."""
     torch._dynamo.reset()
     s = make_setup(case, recipe)
     for (p_c, w_c), (p_e, w_e) in run_compiled_vs_eager(s, "inductor", steps=1):

@@ -22,7 +22,7 @@ import torch
 import te_func as tef
 from cases import LAYERS, RECIPES, detached_params, needs_state
 from te_func.quant.workspace import RECIPE_KEY
-from te_func.recipe import DelayedScaling, Float8CurrentScaling, QParams, fingerprint
+from te_func.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, QParams, fingerprint
 
 GOLDEN = Path(__file__).parent / "golden_workspaces.json"
 DATA = Path(__file__).parent / "data"
@@ -278,3 +278,26 @@ def test_format1_workspaces_of_another_recipe_are_refused_naming_both():
                             recipe=DelayedScaling(amax_history_len=4))
     new_ws = tef.upgrade_workspaces(old_ws, model, DelayedScaling(amax_history_len=4))
     tef.validate_workspaces(model, new_ws, DelayedScaling(amax_history_len=4))
+
+
+@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(), Float8CurrentScaling()], ids=["mxfp8", "current"])
+def test_format2_workspaces_upgrade_bit_for_bit(recipe):
+    """Format 2 kept MXFP8's scales as float8_e8m0fnu; format 3 keeps their bytes (uint8).
+    A format-2 set is refused by a call, with the way out, and tef.upgrade_workspaces (or a
+    Stateful load) gives format 3's entries bit for bit."""
+    model = _format1_model()
+    ws = tef.init_workspaces(model, recipe)
+    old = {k: v.view(torch.float8_e8m0fnu) if v.dtype == torch.uint8 else v.clone() for k, v in ws.items()}
+    old[RECIPE_KEY] = torch.tensor([2, ws[RECIPE_KEY][1].item()])
+    assert any(v.dtype == torch.float8_e8m0fnu for v in old.values()) == isinstance(recipe, MXFP8BlockScaling)
+    with pytest.raises(ValueError, match=r"format 2; this te_func reads format 3: convert them with "
+                                         r"tef\.upgrade_workspaces"):
+        tef.functional_call(model, detached_params(model), old, (torch.randn(2, 32),), recipe=recipe)
+    new = tef.upgrade_workspaces(old, model, recipe)
+    assert new.keys() == ws.keys() and all(torch.equal(new[k], ws[k]) and new[k].dtype == ws[k].dtype for k in ws)
+    shell = tef.Stateful(_format1_model(), recipe)
+    shell.load_state_dict({**{f"model.{k}": v for k, v in model.state_dict().items()},
+                           **{f"workspaces.{k}": v for k, v in old.items()}})
+    assert all(torch.equal(shell.workspaces[k], ws[k]) for k in ws)
+    with pytest.raises(ValueError, match="made for another recipe"):
+        tef.upgrade_workspaces(old, model, DelayedScaling())

@@ -47,7 +47,7 @@ def _step_state(state, recipe, role: str, start: bool):
     call starts a step. None stays None."""
     if state is None:
         return None
-    state = type(state)(*(t.detach() for t in state))
+    state = type(state)(*(None if t is None else t.detach() for t in state))
     return delayed_update(state, recipe, role) if start and isinstance(state, DelayedState) else state
 
 
@@ -63,8 +63,8 @@ class GemmStep:
 
     @classmethod
     def begin(cls, gemm: Gemm, weight: torch.Tensor, recipe, workspace: dict, is_first_microbatch,
-              update_state: bool | None = None, prefix: str = "") -> "GemmStep":
-        gw = gemm.read(workspace, recipe)
+              update_state: bool | None = None, batch_scales: bool = False, prefix: str = "") -> "GemmStep":
+        gw = gemm.read(workspace, recipe, batch_scales)
         sink = None if gw.grad is None else gw.grad.record
         start = isinstance(recipe, DelayedScaling) and starts_step(is_first_microbatch, update_state)
         gw = gw._replace(**{role: _step_state(getattr(gw, role), recipe, role, start)

@@ -74,7 +74,7 @@ def fp8_split_sizes(m_splits, num_gemms: int, tokens: int, recipe, layer: str = 
 def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
                    biases: Sequence[torch.Tensor | None] | None = None, *, recipe=None,
                    workspace: dict | None = None, is_first_microbatch: bool | None = None,
-                   update_state: bool | None = None):
+                   update_state: bool | None = None, batch_scales: bool = False):
     """Row group i of inp times weights[i].T plus biases[i], in FP8 per `recipe` (None: F.linear).
 
     inp: (tokens, in_features), or (..., in_features) flattened to tokens; the first
@@ -82,7 +82,7 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
     weights[i]: (out_features, in_features); biases[i]: (out_features,) or None.
     workspace: this op's entries (te_func.quant.workspace, GEMM i as `grouped_gemms`
     names it), or None to start empty.
-    update_state: as `te_func.functional.linear`'s.
+    update_state, batch_scales: as `te_func.functional.linear`'s.
     Returns `(out, new_workspace)`, out (..., out_features) in inp's dtype.
     """
     layer = "GroupedLinear"
@@ -108,7 +108,7 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
     else:
         ifm = first_microbatch(is_first_microbatch, layer)
         x = autocast_input(x)
-        steps = [GemmStep.begin(g, w, recipe, workspace, ifm, update_state, prefix=f"g{i}.")
+        steps = [GemmStep.begin(g, w, recipe, workspace, ifm, update_state, batch_scales, prefix=f"g{i}.")
                  for i, (g, w) in enumerate(zip(grouped_gemms(n), weights))]
         tensors = {k: v for st in steps for k, v in st.tensors().items()}
         res = call(GroupedLinearFP8(tuple(st.slot for st in steps)), x=x, **{f"m{i}": m for i, m in enumerate(sizes)},

@@ -20,13 +20,14 @@ def layernorm_linear(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.
                      weight: torch.Tensor, bias: torch.Tensor | None = None, *, eps: float = 1e-5,
                      normalization: str = "LayerNorm", zero_centered_gamma: bool = False,
                      return_layernorm_output: bool = False, recipe=None, workspace: dict | None = None,
-                     is_first_microbatch: bool | None = None, update_state: bool | None = None):
+                     is_first_microbatch: bool | None = None, update_state: bool | None = None,
+                     batch_scales: bool = False):
     """y = norm(inp) @ weight.T + bias, the GEMMs in FP8 per `recipe` (None: plain torch ops).
 
     inp: (..., in_features); ln_weight, ln_bias: (in_features,) (ln_bias None for RMSNorm);
     weight: (out_features, in_features); bias: (out_features,).
     workspace: this op's entries (te_func.quant.workspace), or None to start empty.
-    update_state: as `te_func.functional.linear`'s.
+    update_state, batch_scales: as `te_func.functional.linear`'s.
     Returns `(out, new_workspace)`, out (..., out_features) in inp's dtype, or
     `((out, ln_out), new_workspace)` with return_layernorm_output, ln_out (..., in_features).
     """
@@ -43,7 +44,7 @@ def layernorm_linear(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.
         entries = {}
     else:
         step = GemmStep.begin(LAYERNORM_LINEAR_GEMMS[0], weight, recipe, workspace,
-                              first_microbatch(is_first_microbatch, layer), update_state)
+                              first_microbatch(is_first_microbatch, layer), update_state, batch_scales)
         inp = autocast_input(inp)
         x = inp.reshape(-1, in_features)                                            # (tokens, in)
         res = call(LayerNormLinearFP8(step.slot, norm_cfg), x=x, ln_weight=ln_weight, ln_bias=ln_bias,

@@ -33,7 +33,8 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
                   fc2_bias: torch.Tensor | None = None, *, eps: float = 1e-5, normalization: str = "LayerNorm",
                   activation: str = "gelu", activation_params: dict | None = None, zero_centered_gamma: bool = False,
                   return_layernorm_output: bool = False, recipe=None, workspace: dict | None = None,
-                  is_first_microbatch: bool | None = None, update_state: bool | None = None):
+                  is_first_microbatch: bool | None = None, update_state: bool | None = None,
+                  batch_scales: bool = False):
     """y = fc2(act(fc1(norm(inp)))), the GEMMs in FP8 per `recipe` (None: plain torch ops).
 
     inp: (..., hidden); ln_weight, ln_bias: (hidden,) (ln_bias None for RMSNorm);
@@ -42,7 +43,7 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
     activation_params: as TE's, clamped_swiglu's `limit`, `alpha`, `glu_linear_offset`
     (defaults 7.0, 1.702, 1.0); other activations take none.
     workspace: this op's entries (te_func.quant.workspace), or None to start empty.
-    update_state: as `te_func.functional.linear`'s.
+    update_state, batch_scales: as `te_func.functional.linear`'s.
     Returns `(out, new_workspace)`, out (..., hidden) in inp's dtype, or
     `((out, ln_out), new_workspace)` with return_layernorm_output.
     """
@@ -64,7 +65,7 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
         entries = {}
     else:
         ifm = first_microbatch(is_first_microbatch, layer)
-        fc1, fc2 = (GemmStep.begin(g, w, recipe, workspace, ifm, update_state, prefix=f"{name}.")
+        fc1, fc2 = (GemmStep.begin(g, w, recipe, workspace, ifm, update_state, batch_scales, prefix=f"{name}.")
                     for g, w, name in zip(LAYERNORM_MLP_GEMMS, (fc1_weight, fc2_weight), ("fc1", "fc2")))
         inp = autocast_input(inp)
         x = inp.reshape(-1, hidden)                                                 # (tokens, hidden)

@@ -16,7 +16,7 @@ LINEAR_GEMMS = (Gemm("weight"),)
 
 def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, recipe=None,
            workspace: dict | None = None, is_first_microbatch: bool | None = None,
-           update_state: bool | None = None):
+           update_state: bool | None = None, batch_scales: bool = False):
     """y = inp @ weight.T + bias, in FP8 per `recipe` (None: exactly `F.linear`).
 
     inp: (..., in_features); weight: (out_features, in_features); bias: (out_features,).
@@ -24,6 +24,8 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     DelayedScaling the `input`, `weight` and `grad` states), or None to start empty.
     update_state: whether a call that starts a step (is_first_microbatch True or None) updates
     DelayedScaling's scales and rolls its histories; None: when grad is enabled, as in TE.
+    batch_scales: a per-sample call in batch scope (te_func.vmapped): the workspace's batch
+    amaxes give the scales (the same for every sample), rather than bounding them.
     Returns `(out, new_workspace)`, out of shape (..., out_features) in inp's dtype.
     """
     out_features, in_features = weight.shape
@@ -32,7 +34,7 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     if recipe is None:
         return F.linear(inp, weight.to(inp.dtype), None if bias is None else bias.to(inp.dtype)), workspace
     ifm = first_microbatch(is_first_microbatch, "Linear")
-    step = GemmStep.begin(LINEAR_GEMMS[0], weight, recipe, workspace, ifm, update_state)
+    step = GemmStep.begin(LINEAR_GEMMS[0], weight, recipe, workspace, ifm, update_state, batch_scales)
     inp = autocast_input(inp)
     x = inp.reshape(-1, in_features)                                                # (tokens, in)
     out = call(LinearFP8(step.slot), x=x, weight=weight, bias=bias, **step.tensors())

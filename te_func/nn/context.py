@@ -63,6 +63,8 @@ class Frame:
     # grad is enabled, decided when the frame opens (an activation checkpoint's no_grad
     # forward inside a training step is still training). None: each layer's grad mode.
     update_state: bool | None = None
+    # A per-sample call in batch scope (te_func.vmapped): the batch amaxes give the scales.
+    batch_scales: bool = False
     # Called with every layer's new entries (full keys) as it commits them (tef.Stateful
     # hears of backward-time state this way).
     watch: Callable[[dict], None] | None = None
@@ -76,6 +78,8 @@ class CallScope:
     batch_spec: dict = field(default_factory=dict)    # key -> Entry of the batch-scope entries they could read
     # backward entry -> the group its amaxes are all-reduced over (te_func.distributed)
     amax_groups: dict = field(default_factory=dict)
+    # Opened around per-sample calls in batch scope (te_func.vmapped): see Frame.batch_scales.
+    batch_scales: bool = False
 
     @property
     def backward_keys(self) -> set:
@@ -123,6 +127,7 @@ class Binding(NamedTuple):
     is_first_microbatch: bool | None
     update_state: bool | None       # whether a step start updates DelayedScaling's state (None: grad mode)
     commit: Callable[[dict], None]
+    batch_scales: bool = False      # Frame.batch_scales
 
 
 def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
@@ -183,7 +188,7 @@ def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
             frame.watch({prefix + k: v for k, v in new_workspace.items()})
         _remember(module, frame, {**new_workspace, **{n: local[n] for n in as_given}}, prefix)
 
-    return Binding(frame.recipe, local, ifm, frame.update_state, commit)
+    return Binding(frame.recipe, local, ifm, frame.update_state, commit, frame.batch_scales)
 
 
 # --- activation checkpointing -----------------------------------------------------------------

@@ -54,6 +54,8 @@ class TEModule(nn.Module):
         """Run the functional `op` on `args` with what this module's frame gives it (recipe,
         workspace entries, is_first_microbatch), and hand its new entries back."""
         b = context.bind(self, type(self).__name__, is_first_microbatch)
+        if b.batch_scales and self.gemms():
+            kwargs["batch_scales"] = True
         out, new_workspace = op(*args, recipe=b.recipe, workspace=b.workspace,
                                 is_first_microbatch=b.is_first_microbatch, update_state=b.update_state, **kwargs)
         b.commit(new_workspace)

@@ -118,11 +118,12 @@ def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized
 
 
 def _state(s: Scheme, record, scale) -> DelayedState | BatchAmax | None:
-    """A role's state from its tensors: a history and a scale (the delayed rule), or an amax.
-    A scale without a history: a forward-only call (te_func.freeze), which records nothing."""
+    """A role's state from its tensors: a history and a scale (the delayed rule), or a batch
+    amax and, for a per-sample call, its scale. A scale without a history: a forward-only call
+    (te_func.freeze), which records nothing."""
     if s.rule == "delayed":
         return None if scale is None else DelayedState(record, scale)
-    return None if record is None else BatchAmax(record)
+    return None if record is None else BatchAmax(record, scale)
 
 
 def backward_amax(new_g) -> torch.Tensor | None:
@@ -170,7 +171,7 @@ class GemmSlot:
                g_rng: torch.Tensor | None = None) -> dict:
         """This slot's input tensors by name, from the GEMM's weight cast and states for this call."""
         record = lambda st: None if st is None else st.record                       # noqa: E731
-        scale = lambda st: st.scale if isinstance(st, DelayedState) else None       # noqa: E731
+        scale = lambda st: None if st is None else st.scale                          # noqa: E731
         return {self._n(k): v for k, v in (
             ("w", cast.rowwise.data), ("w_scale_inv", cast.rowwise.scale_inv),
             ("w_t", cast.columnwise.data), ("w_t_scale_inv", cast.columnwise.scale_inv),

@@ -12,7 +12,7 @@ import torch
 from ..recipe import (ROLES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                       MXFP8BlockScaling, NVFP4BlockScaling)
 
-__all__ = ["Scheme", "scheme_for", "scale_from_amax", "e8m0_scale_inv", "round_down_pow2"]
+__all__ = ["Scheme", "scheme_for", "scale_from_amax", "e8m0_scale_inv", "e8m0_to_float", "round_down_pow2"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,9 @@ class Scheme:
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        return {"e8m0": torch.float8_e8m0fnu, "nvfp4": torch.float8_e4m3fn}.get(self.rule, torch.float32)
+        # E8M0 as its bytes, uint8 (as TE keeps MXFP8 scales): torch's float8_e8m0fnu has no type
+        # in inductor's CPU code generation (torch 2.13), so compiled code could not hold it.
+        return {"e8m0": torch.uint8, "nvfp4": torch.float8_e4m3fn}.get(self.rule, torch.float32)
 
     @property
     def nvfp4(self) -> bool:
@@ -118,9 +120,10 @@ def scale_from_amax(amax: torch.Tensor, fp8_max: float, amax_epsilon: float = 0.
 
 
 def e8m0_scale_inv(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
-    """MXFP8: the smallest power of 2 >= fl(amax * fl(1/fp8_max)), as float8_e8m0fnu.
+    """MXFP8: the smallest power of 2 >= fl(amax * fl(1/fp8_max)), as E8M0 bytes (uint8: the
+    biased exponent; `e8m0_to_float` decodes them).
 
-    Saturates to [2**-127, 2**127]; an amax of 0 gives 2**-127, NaN gives NaN.
+    Saturates to [2**-127, 2**127]; an amax of 0 gives 2**-127, NaN gives NaN (0xFF).
     Computed on the fp32 bits so that it is exact.
     """
     ratio = amax.float() * torch.tensor(1.0 / fp8_max, dtype=torch.float32)
@@ -132,4 +135,12 @@ def e8m0_scale_inv(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
     round_up = (mantissa != 0) & ~((exponent == 0) & (mantissa <= 0x400000))
     biased = torch.clamp(exponent + round_up.to(torch.int32), 0, 254)
     biased = torch.where(torch.isnan(ratio), 255, biased)  # 0xFF encodes NaN in E8M0
-    return biased.to(torch.uint8).view(torch.float8_e8m0fnu)
+    return biased.to(torch.uint8)
+
+
+def e8m0_to_float(bits: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (uint8) -> fp32 2**(bits - 127), exactly (2**-127 is an fp32 denormal), NaN for
+    0xFF: what torch's float8_e8m0fnu -> float32 gives, in ops every backend compiles."""
+    e = bits.to(torch.int32)
+    value = torch.where(e == 0, 0x00400000, e << 23).view(torch.float32)
+    return torch.where(e == 255, float("nan"), value)

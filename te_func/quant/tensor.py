@@ -9,7 +9,7 @@ import torch.utils._pytree as pytree
 
 from ..kernels import tensorwise_cast
 from . import nvfp4
-from .scheme import Scheme, e8m0_scale_inv, scale_from_amax, scheme_for
+from .scheme import Scheme, e8m0_scale_inv, e8m0_to_float, scale_from_amax, scheme_for
 
 __all__ = ["Quantized", "DelayedState", "BatchAmax", "quantize", "quantize_with_transpose",
            "quantize_scheme", "dequantize", "transpose", "record_amax", "cast_with_scale", "nvfp4_block_values"]
@@ -23,8 +23,8 @@ class Quantized:
                  run along the last dim (the GEMM's reduction dim). NVFP4: uint8
                  (rows, ceil(cols / 2)), two E2M1 codes a byte (te_func.quant.nvfp4).
     scale_inv:   float32 `()` for one scale per tensor, else one per block,
-                 `(ceil(rows / block[0]), ceil(cols / block[1]))` (float8_e8m0fnu for
-                 MXFP8, float8_e4m3fn for NVFP4).
+                 `(ceil(rows / block[0]), ceil(cols / block[1]))` (MXFP8: E8M0 bytes as
+                 uint8, te_func.quant.e8m0_to_float; NVFP4: float8_e4m3fn).
     block:       None (per tensor) or the block's (rows, cols).
     global_amax: NVFP4 only: float32 `()`, the tensor's amax, which sets its per-tensor
                  scale: x ~= e2m1(data) * scale_inv * global_amax / (6 * 448).
@@ -82,18 +82,26 @@ class DelayedState(NamedTuple):
 
 class BatchAmax(NamedTuple):
     """Batch-scope state of one tensor role under current scaling (te_func.vmapped): the amax the
-    whole batch's tensor of this role had. A quantization with it uses the scale of
-    max(batch amax, its own amax) and records that max: a per-sample call (whose own amax
-    is at most the batch's) quantizes with the batch's scale, and a call that starts from
-    0 (the pass over the whole batch) quantizes as plain current scaling and records its amax."""
-    amax: torch.Tensor          # () float32
+    whole batch's tensor of this role had, and for a per-sample call the scale of that amax.
+    A per-sample call quantizes with that scale, the same for every sample, so that the
+    samples' GEMMs are the batch's GEMM (te_func.gemm); the pass over the whole batch, which
+    starts from 0 without a scale, with the scale of max(amax, its own amax), which is plain
+    current scaling. Both record that max: te_func.vmapped checks that no sample's exceeded
+    the batch's."""
+    amax: torch.Tensor                  # () float32
+    scale: torch.Tensor | None = None   # () float32: a per-sample call's
+
+    @classmethod
+    def of(cls, amax: torch.Tensor, s: Scheme, per_sample: bool) -> "BatchAmax":
+        scale = scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale) if per_sample else None
+        return cls(amax, scale)
 
     @property
     def record(self) -> torch.Tensor:
         return self.amax
 
     def with_record(self, record: torch.Tensor) -> "BatchAmax":
-        return BatchAmax(record)
+        return BatchAmax(record, self.scale)
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> torch.Tensor:
@@ -102,6 +110,21 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> torch.Tensor:
     # Row-major whatever x's strides (a transposed input, a gradient): cuBLAS's FP8
     # GEMMs take only row-major x column-major operands.
     return torch.clamp(x.float() * scale, -s.fp8_max, s.fp8_max).to(s.dtype, memory_format=torch.contiguous_format)
+
+
+def batched_by_vmap(t: torch.Tensor) -> bool:
+    """Whether `t` is batched by a torch.func.vmap. Under vmap(grad(f)) a backward sees the
+    batched tensor wrapped in grad's wrapper, which `is_batchedtensor` does not look through."""
+    functorch = torch._C._functorch
+    if torch.compiler.is_dynamo_compiling():
+        # Dynamo cannot trace the unwrapping below; the code it traces directly (a frozen
+        # model's forward) has no grad wrapper to look through.
+        return functorch.is_batchedtensor(t)
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
 
 
 def abs_skipping_nan(x: torch.Tensor) -> torch.Tensor:
@@ -232,10 +255,11 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state=None):
             # A forward-only state (te_func.freeze) reads no amax: the reduction would be wasted.
             recorded = state if state.amax_history is None else record_amax(state, amax_of(x))
             scale, new_state = state.scale, recorded
-        elif state is not None:     # batch scope: the batch's amax, unless this tensor's is larger
+        elif state is not None:     # batch scope (BatchAmax)
             amax = torch.maximum(state.amax, amax_of(x))
-            scale = scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale)
-            new_state = BatchAmax(amax)
+            scale = (scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale) if state.scale is None
+                     else state.scale)
+            new_state = state.with_record(amax)
         else:
             scale, new_state = scale_from_amax(amax_of(x), s.fp8_max, s.amax_epsilon, s.power_2_scale), None
         return cast_with_scale(x, scale, s), new_state
@@ -247,7 +271,7 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state=None):
     amax = torch.amax(abs_skipping_nan(blocks), dim=(1, 3))      # (row_blocks, col_blocks)
     if s.rule == "e8m0":
         scale_inv = e8m0_scale_inv(amax, s.fp8_max)
-        scale = torch.reciprocal(scale_inv.float())              # exact: a power of 2
+        scale = torch.reciprocal(e8m0_to_float(scale_inv))       # exact: a power of 2
     else:
         scale = scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale)
         scale_inv = torch.reciprocal(scale)
@@ -317,7 +341,7 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
         values = nvfp4.e2m1_values(nvfp4.unpack_e2m1(q.data, q.shape[-1]))
         factor = (q.scale_inv.float() * q.global_amax) * (1.0 / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX))
         return (values * _expand(factor, q.block, values.shape)).to(dtype)
-    scale_inv = q.scale_inv.float()
+    scale_inv = e8m0_to_float(q.scale_inv) if q.scale_inv.dtype == torch.uint8 else q.scale_inv.float()
     if q.block is not None:
         scale_inv = _expand(scale_inv, q.block, q.data.shape)
     return (q.data.float() * scale_inv).to(dtype)

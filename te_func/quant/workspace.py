@@ -68,7 +68,8 @@ __all__ = ["FORMAT_VERSION", "RECIPE_KEY", "RECIPE_ENTRY", "CAST_FIELDS", "Carri
            "fingerprint_entry", "ROLES_OF_GEMM", "keeps_rng"]
 
 # 1: te_func 0.1 (recipe repr and made_by= in key names); 2: this module.
-FORMAT_VERSION = 2
+# 3: MXFP8's E8M0 scales as uint8 (2: float8_e8m0fnu; tef.upgrade_workspaces converts).
+FORMAT_VERSION = 3
 RECIPE_KEY = "te_func_recipe"
 
 # A GEMM's three quantized tensors and the state names they are kept under.
@@ -219,9 +220,10 @@ class Gemm:
         return {f"{names[role]}_batch_amax": Entry((), torch.float32, "batch_amax", role == "grad")
                 for role in ("input", "grad") if _batch_scoped(recipe, role)}
 
-    def read(self, workspace: dict, recipe) -> GemmWorkspace:
+    def read(self, workspace: dict, recipe, batch_scales: bool = False) -> GemmWorkspace:
         """The typed view of this GEMM's entries in an op-local `workspace` (None for missing ones:
-        a workspace given to a per-op function may start empty)."""
+        a workspace given to a per-op function may start empty). batch_scales: a per-sample
+        call in batch scope, whose batch amaxes give the scales (te_func.quant.BatchAmax)."""
         if recipe is None:
             return GemmWorkspace(None)
         s = scheme_for(recipe, "weight")
@@ -239,8 +241,8 @@ class Gemm:
         if not isinstance(recipe, DelayedScaling):
             # Batch scope: the entries are there for the call (the frame checks all or none are).
             names = self.state_names()
-            batch = {role: BatchAmax(workspace[f"{names[role]}_batch_amax"]) for role in ("input", "grad")
-                     if f"{names[role]}_batch_amax" in workspace}
+            batch = {role: BatchAmax.of(workspace[f"{names[role]}_batch_amax"], scheme_for(recipe, role), batch_scales)
+                     for role in ("input", "grad") if f"{names[role]}_batch_amax" in workspace}
             return GemmWorkspace(cast, **batch)
         states = {}
         for role, name in self.state_names().items():
