@@ -36,9 +36,10 @@ from .shell import Stateful
 from .vmapped import (fold_workspaces, per_sample_grad, per_sample_value_and_grad, stack_module_state,
                       stack_workspaces, unstack_module_state, unstack_workspaces)
 from .freeze import freeze, frozen_layers
+from .checkpoint import checkpoint
 
 __all__ = ["distributed", "functional", "nn", "quant", "recipe", "convert", "fp8_pays", "autocast", "functional_call", "grad",
            "init_workspaces", "value_and_grad", "workspace_spec", "validate_workspaces",
            "upgrade_workspaces", "Stateful", "set_check_finite", "per_sample_grad",
            "per_sample_value_and_grad", "fold_workspaces", "stack_workspaces", "unstack_workspaces",
-           "stack_module_state", "unstack_module_state", "freeze", "frozen_layers"]
+           "stack_module_state", "unstack_module_state", "freeze", "frozen_layers", "checkpoint"]

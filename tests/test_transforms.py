@@ -22,6 +22,7 @@ import torch._dynamo.testing
 import te_func as tef
 from cases import (HF_MODELS, LAYERS, RECIPES, assert_dicts_equal, assert_grads_match, bits, detached_params, is_fp4,
                    needs_state, sqnr)
+from te_func.quant.workspace import RECIPE_KEY
 from te_func.recipe import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling
 
 BATCH = 4
@@ -189,6 +190,33 @@ PER_SAMPLE_FLOOR_DB_FP4 = 6.0
 def _split(inputs, i):
     first, *rest = inputs
     return (first[i], *rest)
+
+
+class _Checkpointed(torch.nn.Module):
+    """The case's model under tef.checkpoint."""
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return tef.checkpoint(self.inner, *args, **kwargs)
+
+
+@pytest.mark.parametrize("case, recipe", MATRIX)
+def test_checkpointed_grad_equals_grad(case, recipe):
+    """tef.checkpoint around the whole model under tef.grad, a step and a later microbatch:
+    the gradients and workspaces of the plain model, bit for bit (the recompute reuses the
+    step's casts and records each backward amax once)."""
+    s = make_setup(case, recipe)
+    wrapped = Setup(case, _Checkpointed(s.model), recipe, s.inputs, s.target, s.kwargs)
+    params, ws = detached_params(s.model), tef.init_workspaces(s.model, recipe)
+    wparams = {f"inner.{k}": v for k, v in params.items()}
+    wws = {k if k == RECIPE_KEY else f"inner.{k}": v for k, v in ws.items()}
+    for first in (True, False):
+        grads, ws = tef.grad(s.loss_fn)(params, ws, s.inputs, s.target, first)
+        wgrads, wws = tef.grad(wrapped.loss_fn)(wparams, wws, s.inputs, s.target, first)
+        assert_dicts_equal({f"inner.{k}": v for k, v in grads.items()}, wgrads)
+        assert_dicts_equal({k if k == RECIPE_KEY else f"inner.{k}": v for k, v in ws.items()}, wws)
 
 
 @pytest.mark.parametrize("case, recipe", MATRIX)

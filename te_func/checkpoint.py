@@ -1,0 +1,215 @@
+"""Activation checkpointing that torch.func transforms accept: `tef.checkpoint`.
+
+    out = tef.checkpoint(block, *args, **kwargs)     # inside a model's forward
+
+Under tef.grad / tef.value_and_grad / tef.per_sample_grad (torch.func transforms),
+torch.utils.checkpoint is refused by torch.func itself (saved-tensor hooks, or a
+Function without setup_context). `tef.checkpoint` is one autograd Function in the
+form torch.func takes (forward + setup_context, a generated vmap rule) whose
+inputs are everything the block's gradient depends on, by name: the tensor
+arguments, the block's parameters, and the workspace entries of its te_func
+layers. Its forward runs the block without keeping activations, inside a frame
+of its own over those entries, and hands the entries the block wrote (the step's
+weight casts, the recorded amaxes) to the enclosing call. Its backward runs the
+block again as a later microbatch of the same step (TE's te.checkpoint keeps the
+forward's FP8 state for its recompute in the same way): over the forward's new
+entries, so the weight casts and scales are reused and nothing rolls or updates,
+with the grad histories and random streams as the forward was given them, so
+DelayedScaling's backward amax is recorded once (it comes back as the history's
+gradient, as without checkpointing) and NVFP4's stochastic rounding draws the
+same numbers. The recompute is differentiated with torch.func.vjp.
+
+Outside torch.func transforms (eager training, tef.Stateful) it is
+torch.utils.checkpoint.checkpoint(use_reentrant=False), which the frame already
+supports (te_func.nn.context, activation checkpointing).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
+
+from .nn import TEModule
+from .nn.context import Frame, current_frame, push, transform_level
+
+__all__ = ["checkpoint"]
+
+
+def checkpoint(function, *args, **kwargs):
+    """`function(*args, **kwargs)` with its activations recomputed in backward (module docstring).
+
+    function: an nn.Module, a bound method of one (`layer.forward`), or a functools.partial of
+    a function whose first argument is the module (what HuggingFace's gradient checkpointing
+    passes: `partial(forward, layer, **kwargs)`); the module's parameters are the ones it uses.
+    Tensors in args, kwargs and the partial's arguments are inputs (differentiated where their
+    gradient is wanted); other values are held constant. Gradients and workspaces are those of
+    the un-checkpointed call.
+    """
+    call, module, base = _callable(function)
+    frame = current_frame()
+    if frame is None or _outside_transforms():
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+    if torch.compiler.is_dynamo_compiling():
+        # Dynamo cannot pass the block's description into the graph; torch.compile's own
+        # partitioner decides what to recompute (docs/functional.md).
+        return function(*args, **kwargs)
+    leaves, spec = pytree.tree_flatten((args, {**base, **kwargs}))
+    tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    names, params = zip(*module.named_parameters()) if any(True for _ in module.parameters()) else ((), ())
+    owners = _owners(frame, module)
+    keys = tuple(k for path, entries, _ in owners.values() for k in _full(path, entries))
+    entries = tuple(frame.updates.get(k, frame.workspaces[k]) for k in keys) if frame.workspaces is not None else ()
+    as_given = frozenset(k for path, _, given in owners.values() for k in _full(path, given))
+    block = _Block(call, module, tuple(None if i in tensors else v for i, v in enumerate(leaves)), spec,
+                   tuple(tensors), tuple(names), keys, as_given, frame.workspaces is not None, frame.recipe,
+                   owners, frame.is_first_microbatch, frame.update_state, frame.batch_scales, [None])
+    outputs = _Checkpoint.apply(block, *(leaves[i] for i in tensors), *params, *entries)
+    spec, static = block.out[0]
+    n_out = sum(v is None for v in static)
+    out, new_entries = iter(outputs[:n_out]), outputs[n_out:]
+    if new_entries:
+        new = dict(zip(keys, new_entries))
+        frame.updates.update(new)
+        if frame.watch is not None:
+            frame.watch(new)
+    return pytree.tree_unflatten([next(out) if v is None else v for v in static], spec)
+
+
+def _callable(function):
+    """(what to call with the block's args and kwargs, the module, the partial's keywords)."""
+    if isinstance(function, nn.Module):
+        return function, function, {}
+    if isinstance(function, functools.partial) and function.args and isinstance(function.args[0], nn.Module):
+        return functools.partial(function.func, *function.args), function.args[0], dict(function.keywords)
+    module = getattr(function, "__self__", None)
+    if isinstance(module, nn.Module):
+        return function, module, {}
+    raise TypeError(f"tef.checkpoint: give the module to recompute (or a bound method of it, or a partial of "
+                    f"a function taking it first), not {type(function).__name__}: under torch.func every "
+                    f"tensor the gradient depends on must be an input, and a module's parameters are known")
+
+
+def _outside_transforms() -> bool:
+    level = transform_level()
+    return level is None and not torch.compiler.is_compiling() or level == 0
+
+
+def _full(path: str, names) -> list[str]:
+    return [f"{path}.{n}" if path else n for n in names]
+
+
+def _owners(frame: Frame, module: nn.Module) -> dict:
+    """id -> (path, entry names, those its backward reads as given) of the te_func layers in module."""
+    owners = {}
+    for m in module.modules():
+        if isinstance(m, TEModule):
+            owner = frame.owners.get(id(m))
+            if owner is None and frame.workspaces is not None:
+                raise RuntimeError(f"tef.checkpoint: {type(m).__name__} inside the checkpointed block is not a "
+                                   f"submodule of the model passed to tef.functional_call")
+            if owner is not None:
+                owners[id(m)] = owner
+    return owners
+
+
+@dataclass(frozen=True, eq=False)
+class _Block:
+    """How to run the block again from the Function's inputs (args' tensors, params, entries)."""
+    call: object
+    module: nn.Module
+    leaves: tuple         # (args, kwargs) flattened, None where a tensor input goes
+    spec: object
+    tensors: tuple        # indices of leaves that are tensor inputs
+    names: tuple          # parameter names, in input order
+    keys: tuple           # workspace entries, in input order
+    as_given: frozenset   # of keys: read by backward as the forward was given them
+    keeps_state: bool     # the frame has workspaces (not tef.autocast)
+    recipe: object
+    owners: dict
+    is_first_microbatch: object
+    update_state: object
+    batch_scales: bool
+    # [(pytree spec of the outputs, their leaves with None for each tensor)], set by the forward:
+    # tensors go through the Function, anything else (a HuggingFace cache object) as the forward left it.
+    out: list
+
+    def split(self, values):
+        n, p = len(self.tensors), len(self.names)
+        return values[:n], values[n:n + p], values[n + p:]
+
+    def run(self, values, *, recompute: bool):
+        """(tensor outputs, new entries in key order) of the block on `values` (args, params, entries)."""
+        inputs, params, entries = self.split(values)
+        leaves = list(self.leaves)
+        for i, t in zip(self.tensors, inputs):
+            leaves[i] = t
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        ws = dict(zip(self.keys, entries))
+        frame = Frame(self.recipe, ws if self.keeps_state else None, self.owners,
+                      False if recompute else self.is_first_microbatch, update_state=self.update_state,
+                      batch_scales=self.batch_scales)
+        # tie_weights as torch.func.functional_call: a tied parameter (GPT-2's lm_head) is listed once.
+        with push(frame), _reparametrize_module(self.module, dict(zip(self.names, params)), tie_weights=True):
+            out = self.call(*args, **kwargs)
+        flat, spec = pytree.tree_flatten(out)
+        if not recompute:
+            self.out[0] = (spec, [None if isinstance(v, torch.Tensor) else v for v in flat])
+        return (tuple(v for v in flat if isinstance(v, torch.Tensor)),
+                tuple(frame.updates.get(k, ws[k]) for k in self.keys))
+
+
+class _Checkpoint(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(block, *values):
+        with torch.no_grad():
+            out, new = block.run(values, recompute=False)
+        # An entry the block left as it was is an input returned as is; setup_context saves
+        # inputs, and torch.func takes that only for a view of it.
+        ids = {id(v) for v in values}
+        return tuple(t.view_as(t) if isinstance(t, torch.Tensor) and id(t) in ids else t for t in (*out, *new))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        block, *values = inputs
+        n_out = len(output) - len(block.keys)
+        new = output[n_out:]
+        # The recompute's workspace: the forward's new entries (this step's casts and scales),
+        # the grad histories and random streams as the forward was given them.
+        _, _, given = block.split(values)
+        recompute_ws = [g if k in block.as_given else n for k, g, n in zip(block.keys, given, new)]
+        a, p, _ = block.split(values)
+        ctx.save_for_backward(*a, *p, *recompute_ws)
+        ctx.block = block
+        ctx.mark_non_differentiable(*(t for t in new if isinstance(t, torch.Tensor)))
+        ctx.set_materialize_grads(False)
+        ctx.out_meta = [(t.shape, t.dtype, t.device) for t in output[:n_out]]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        block = ctx.block
+        values = ctx.saved_tensors
+        need = ctx.needs_input_grad[1:]
+        wanted = [i for i, (v, n) in enumerate(zip(values, need)) if n and v is not None]
+        n_out = len(ctx.out_meta)
+        grads = [torch.zeros(s, dtype=d, device=dev) if g is None else g
+                 for g, (s, d, dev) in zip(grads[:n_out], ctx.out_meta)]
+
+        def recomputed(*diff):
+            vals = list(values)
+            for i, v in zip(wanted, diff):
+                vals[i] = v
+            out, _ = block.run(tuple(vals), recompute=True)
+            return out
+        with torch.enable_grad():
+            _, vjp = torch.func.vjp(recomputed, *(values[i] for i in wanted))
+            got = vjp(tuple(grads))
+        result = [None] * len(values)
+        for i, g in zip(wanted, got):
+            result[i] = g
+        return (None, *result)
