@@ -110,6 +110,23 @@ def test_frozen_state_dict_round_trips_through_torch_save_and_safetensors(recipe
         assert torch.equal(fresh(x), want)
 
 
+def test_a_format2_frozen_checkpoint_loads():
+    """Workspace format 2 kept MXFP8's scales as float8_e8m0fnu: such a frozen checkpoint loads
+    (its scale bytes as they were) and computes what it did."""
+    recipe = MXFP8BlockScaling()
+    model, ws = trained(recipe)
+    frozen = tef.freeze(model, recipe, workspaces=ws)
+    old = {k: v.view(torch.float8_e8m0fnu) if v.dtype == torch.uint8 else v.clone()
+           for k, v in frozen.state_dict().items()}
+    for k in old:
+        if k.endswith("te_func_recipe"):
+            old[k][0] = 2
+    fresh = tef.freeze(make_model(), recipe)
+    fresh.load_state_dict(old)
+    x = torch.randn(2, 8, 64)
+    assert torch.equal(fresh(x), frozen(x))
+
+
 @pytest.mark.parametrize("recipe", FP8)
 def test_frozen_skeleton_on_meta_loads_a_checkpoint_with_assign(recipe, tmp_path):
     """No high-precision weight is ever made: a model built on meta freezes to a skeleton on meta,

@@ -130,9 +130,23 @@ class FrozenLayer(nn.Module):
         own = {**{k: v for k, v in self._parameters.items() if v is not None}, **self._buffers,
                **{f"{n}.{k}": v for n, m in self._modules.items() for k, v in m._buffers.items()}}
         if any(prefix + k in state_dict for k in own):
+            self._upgrade_format2(state_dict, prefix, own)
             self._check_checkpoint(state_dict, prefix, own)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+    @staticmethod
+    def _upgrade_format2(state_dict, prefix, own):
+        # Workspace format 2 kept MXFP8's scales as float8_e8m0fnu; format 3 keeps their bytes.
+        made_for = state_dict.get(prefix + RECIPE_KEY)
+        if made_for is None or tuple(made_for.shape) != RECIPE_ENTRY.shape or made_for.dtype != RECIPE_ENTRY.dtype \
+                or made_for.device.type == "meta" or int(made_for[0]) != 2:
+            return
+        for k in own:
+            t = state_dict.get(prefix + k)
+            if t is not None and t.dtype == torch.float8_e8m0fnu:
+                state_dict[prefix + k] = t.view(torch.uint8)
+        state_dict[prefix + RECIPE_KEY] = torch.stack([torch.full_like(made_for[0], FORMAT_VERSION), made_for[1]])
 
     def _check_checkpoint(self, state_dict, prefix, own):
         where = prefix.rstrip(".") or "(root)"
