@@ -58,14 +58,15 @@ def checkpoint(function, *args, **kwargs):
         # partitioner decides what to recompute (docs/functional.md).
         return function(*args, **kwargs)
     leaves, spec = pytree.tree_flatten((args, {**base, **kwargs}))
-    tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-    names, params = zip(*module.named_parameters()) if any(True for _ in module.parameters()) else ((), ())
+    tensors = tuple(i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor))
+    named = list(module.named_parameters())
+    names, params = tuple(n for n, _ in named), tuple(p for _, p in named)
     owners = _owners(frame, module)
     keys = tuple(k for path, entries, _ in owners.values() for k in _full(path, entries))
     entries = tuple(frame.updates.get(k, frame.workspaces[k]) for k in keys) if frame.workspaces is not None else ()
     as_given = frozenset(k for path, _, given in owners.values() for k in _full(path, given))
-    block = _Block(call, module, tuple(None if i in tensors else v for i, v in enumerate(leaves)), spec,
-                   tuple(tensors), tuple(names), keys, as_given, frame.workspaces is not None, frame.recipe,
+    block = _Block(call, module, tuple(None if isinstance(v, torch.Tensor) else v for v in leaves), spec,
+                   tensors, names, keys, as_given, frame.workspaces is not None, frame.recipe,
                    owners, frame.is_first_microbatch, frame.update_state, frame.batch_scales, [None])
     outputs = _Checkpoint.apply(block, *(leaves[i] for i in tensors), *params, *entries)
     spec, static = block.out[0]
@@ -94,8 +95,8 @@ def _callable(function):
 
 
 def _outside_transforms() -> bool:
-    level = transform_level()
-    return level is None and not torch.compiler.is_compiling() or level == 0
+    # Plain eager code (tef.Stateful, .backward()): no torch.func level is open.
+    return not torch.compiler.is_compiling() and not transform_level()
 
 
 def _full(path: str, names) -> list[str]:
@@ -181,10 +182,9 @@ class _Checkpoint(torch.autograd.Function):
         new = output[n_out:]
         # The recompute's workspace: the forward's new entries (this step's casts and scales),
         # the grad histories and random streams as the forward was given them.
-        _, _, given = block.split(values)
+        args, params, given = block.split(values)
         recompute_ws = [g if k in block.as_given else n for k, g, n in zip(block.keys, given, new)]
-        a, p, _ = block.split(values)
-        ctx.save_for_backward(*a, *p, *recompute_ws)
+        ctx.save_for_backward(*args, *params, *recompute_ws)
         ctx.block = block
         ctx.mark_non_differentiable(*(t for t in new if isinstance(t, torch.Tensor)))
         ctx.set_materialize_grads(False)

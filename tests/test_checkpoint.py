@@ -74,10 +74,11 @@ def test_checkpointed_grad_equals_the_plain_one_over_microbatches(recipe):
     assert [b.calls for b in plain.blocks] == [3, 3] and [b.calls for b in ckpt.blocks] == [6, 6]
 
 
-@pytest.mark.parametrize("recipe", [p for p in FP8 if p.id in ("current", "delayed")])
-def test_checkpointed_per_sample_and_compiled(recipe):
+def test_checkpointed_per_sample_and_compiled():
     """tef.per_sample_grad (both scopes) and torch.compile(tef.grad(...), fullgraph=True) of the
-    checkpointed model equal the plain model's."""
+    checkpointed model equal the plain model's (current scaling: the scope matters there; the
+    microbatch test above covers the other recipes' state)."""
+    recipe = tef.recipe.Float8CurrentScaling()
     plain, ckpt = pair()
     x = torch.randn(4, 8, 32)
     for scope in ("sample", "batch"):
@@ -110,7 +111,7 @@ def test_a_function_without_its_module_is_refused():
         tef.checkpoint(lambda x: x * 2, torch.randn(2))
 
 
-@pytest.mark.parametrize("recipe", [p for p in FP8 if p.id in ("current", "delayed")])
+@pytest.mark.parametrize("recipe", [p for p in FP8 if p.id == "delayed"])
 def test_hf_gradient_checkpointing_under_tef_grad(recipe):
     """A converted HF Llama with gradient checkpointing on and tef.checkpoint as its
     checkpointing function (torch.func refuses torch.utils.checkpoint): tef.grad gives the
