@@ -123,7 +123,9 @@ def _train(model, recipe, data, steps=6):
     return losses, shell
 
 
-@pytest.mark.parametrize("recipe", FP8_NOT_FP4)
+# The backward_override variants train as their base recipes do here; the transform matrix runs
+# them on both models (CI time).
+@pytest.mark.parametrize("recipe", [p for p in FP8_NOT_FP4 if "-" not in p.id])
 @pytest.mark.parametrize("name", MODELS)
 def test_training_under_every_recipe_tracks_the_high_precision_run(name, recipe):
     base = tef.convert(MODELS[name]())

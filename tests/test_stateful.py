@@ -276,9 +276,10 @@ def test_a_dropped_shell_is_freed():
     assert ref() is None
 
 
-# NVFP4 is left out: its emulated E2M1 GEMMs make 16 compiled steps take minutes on CI's CPU, and it
-# compiled 4 graphs over these 16 routings (torch 2.13 CPU), not 2: its 16-row blocks add cases.
-@pytest.mark.parametrize("recipe", [p for p in FP8 if p.id != "nvfp4"])
+# NVFP4 is left out: its emulated E2M1 GEMMs make the compiled steps take minutes on CI's CPU, and it
+# compiled 4 graphs over 16 routings (torch 2.13 CPU), not 2: its 16-row blocks add cases. The
+# backward_override variants route as their base recipes do (CI time).
+@pytest.mark.parametrize("recipe", [p for p in FP8 if p.id != "nvfp4" and "-" not in p.id])
 def test_grouped_linear_with_new_routing_every_step_does_not_recompile_per_routing(recipe):
     """The split sizes become symbolic after the first routing changes (2 graphs). MXFP8 may add
     one: torch specializes a count of 32-blocks that is exactly 1 (a group of <= 32 tokens)."""
@@ -289,7 +290,7 @@ def test_grouped_linear_with_new_routing_every_step_does_not_recompile_per_routi
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(shell, fullgraph=True, backend=counter)
     rng = np.random.default_rng(0)
-    for _ in range(16):
+    for _ in range(10):
         splits = rng.multinomial(48, [0.2, 0.3, 0.5]).tolist()   # zeros included sometimes
         compiled(torch.randn(48, 32), splits, is_first_microbatch=True).square().sum().backward()
     assert counter.frame_count <= (3 if isinstance(recipe, MXFP8BlockScaling) else 2)
