@@ -21,7 +21,9 @@ same numbers. The recompute is differentiated with torch.func.vjp.
 
 Outside torch.func transforms (eager training, tef.Stateful) it is
 torch.utils.checkpoint.checkpoint(use_reentrant=False), which the frame already
-supports (te_func.nn.context, activation checkpointing).
+supports (te_func.nn.context, activation checkpointing). Under torch.compile it
+runs the block as is: dynamo cannot carry the block's description into a graph,
+and torch.compile's partitioner chooses what to recompute; the gradients are the same.
 """
 from __future__ import annotations
 
