@@ -5,8 +5,9 @@
 Measures the device-to-device copy bandwidth, bf16 and FP8 (tensor-wise)
 GEMM rates at 8192^3, whether torch's scaled GEMM takes Float8BlockScaling's
 1x128 / 128x128 block scales on this GPU (checked against te_func's exact
-emulation), and the time of te_func's compiled current-scaling cast of a
-(16384, 4096) activation against its byte floor. Writes probe.json.
+emulation), the time of te_func's compiled current-scaling cast of a
+(16384, 4096) activation against its byte floor, and decode-sized (1-64 token) FP8
+and bf16 GEMMs replayed from CUDA graphs. `--parts` picks some. Writes probe.json.
 """
 from __future__ import annotations
 
@@ -91,12 +92,55 @@ def quantize_cost(res):
     res["current_cast_rowwise_only_16384x4096_ms"] = round(bench_ms(lambda: cast1(x)), 4)
 
 
+def graph_us(fn, reps: int = 50) -> float:
+    """Microseconds of one call replayed from a CUDA graph of `reps` calls: no launch overhead,
+    as a decode step under mode="reduce-overhead" runs."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return bench_ms(g.replay) * 1e3 / reps
+
+
+def decode_gemms(res):
+    """Decode-sized GEMMs (M tokens of a 4096 x 14336 MLP's two weights), replayed from CUDA
+    graphs: bf16, FP8 x FP8 with the tokens as the first operand (te_func's layout), FP8 with
+    the weight first (out^T = w x^T, M padded to 16 as _scaled_mm needs), and a per-tensor
+    cast of the tokens (amax, then the cast) alone."""
+    one = torch.ones((), device="cuda")
+    for n, k in ((14336, 4096), (4096, 14336)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        w8 = w.to(torch.float8_e4m3fn)
+        for m in (1, 16, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            mp = max(16, -(-m // 16) * 16)
+            x8 = torch.randn(mp, k, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)   # random: a GEMM of zeros runs cooler
+            key = f"decode_m{m}_n{n}_k{k}"
+            res[f"{key}_bf16_us"] = round(graph_us(lambda: x @ w.t()), 2)
+            for fast in (True, False):
+                res[f"{key}_fp8_tokens_first_fast{fast}_us"] = round(graph_us(
+                    lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                             use_fast_accum=fast)), 2)
+                res[f"{key}_fp8_weight_first_fast{fast}_us"] = round(graph_us(
+                    lambda: torch._scaled_mm(w8, x8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                             use_fast_accum=fast)), 2)
+            s = scheme_for(Float8CurrentScaling(), "input")
+            cast = torch.compile(lambda x: quantize_scheme(x, s, None)[0].data, fullgraph=True)
+            res[f"{key}_current_cast_us"] = round(graph_us(lambda: cast(x)), 2)
+        res[f"decode_weight_bytes_n{n}_k{k}_floor_us_fp8"] = round(n * k / (4.25e12) * 1e6, 2)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--parts", default="ceilings,blockwise,quantize_cost,decode_gemms")
     args = ap.parse_args()
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for part in (ceilings, blockwise, quantize_cost):
+    parts = {f.__name__: f for f in (ceilings, blockwise, quantize_cost, decode_gemms)}
+    for part in (parts[name] for name in args.parts.split(",")):
         try:
             part(res)
         except Exception as e:

@@ -41,3 +41,17 @@ def test_quick_benchmark_writes_a_row_per_variant_and_workload(tmp_path, monkeyp
         assert f"| {v} |" in md
     assert (tmp_path / "speedup.png").exists() or (tmp_path / "speedup.png.missing").exists()
 
+
+
+def test_the_profiler_tells_gemms_from_the_casts_named_after_them():
+    # Inductor names a kernel by the ops it feeds as well: the cast before a _scaled_mm is
+    # "triton_poi_fused__scaled_mm_..." and must count as non-GEMM time.
+    spec = importlib.util.spec_from_file_location("te_func_bench_profile", ROOT / "benchmarks" / "profile_step.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    assert profile.is_gemm("nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT")
+    assert profile.is_gemm("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64")
+    assert profile.is_gemm("triton_tem_fused_mm_0")
+    assert not profile.is_gemm("triton_poi_fused__scaled_mm__to_copy_abs_clamp_clone_t_where_5")
+    assert not profile.is_gemm("triton_red_fused__to_copy_abs_amax_isnan_scalar_tensor_where_15")
+    assert not profile.is_gemm("void at::native::vectorized_elementwise_kernel<8, at::native::MulFunctor>")
