@@ -7,6 +7,7 @@ PyTorch module (`shell(x)`, `loss.backward()`, `optimizer.step()`).
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 
 import torch
@@ -30,6 +31,7 @@ def _absorb(shell_ref, key: str, amax: torch.Tensor):
     shell = shell_ref()
     if shell is None or key not in shell.workspaces:
         return
+    shell._recorded.add(key)
     amax = amax.detach().to(shell.workspaces[key].device)
     if shell._amax_reduction is None:
         ws = shell.workspaces
@@ -54,6 +56,41 @@ def _absorb_reduced(shell_ref):
     amaxes = {k: pending.get(k, torch.zeros_like(ws[k])) for k in shell._backward_keys}
     reduced = distributed.reduce_amax_slots(amaxes, shell._amax_reduction)
     shell.workspaces = {**ws, **{k: torch.maximum(ws[k], v) for k, v in reduced.items()}}
+
+
+def _weight_grad_seen(shell_ref, key: str, grad):
+    # A tensor hook on a GEMM weight: a backward computes its gradient, so the GEMM's backward
+    # ran and its amax should reach the shell before the backward ends (checked then).
+    shell = shell_ref()
+    if shell is None:
+        return
+    if not shell._expected:
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_check_recorded, shell_ref))
+    shell._expected.add(key)
+
+
+def _check_recorded(shell_ref):
+    shell = shell_ref()
+    if shell is None:
+        return
+    missing = sorted(shell._expected - shell._recorded)
+    shell._expected, shell._recorded = set(), set()
+    # Eager calls report their amaxes from the ops' own nodes, whatever the backward's inputs:
+    # only a compiled call's can be lost.
+    if missing and shell._compiled_call:
+        warnings.warn(
+            f"tef.Stateful: a backward computed the gradients of GEMM weights but DelayedScaling's backward "
+            f"amaxes of {missing} did not reach the shell, so the next step's gradient scales come from older "
+            f"history. torch.autograd.grad(loss, params) and loss.backward(inputs=...) over a compiled shell "
+            f"skip the leaves that carry those amaxes out of the compiled graph. Call loss.backward() (over "
+            f"all inputs) on a compiled shell, or run the shell uncompiled, or train through tef.grad / "
+            f"tef.value_and_grad, which return the amaxes with the workspaces", RuntimeWarning, stacklevel=2)
+
+
+def _remove_hooks(handles: list):
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def _absorb_sink(shell_ref, key: str, sink: torch.Tensor):
@@ -91,7 +128,9 @@ class Stateful(nn.Module):
 
     Under DelayedScaling, backward records the grad-output amaxes into
     `shell.workspaces`, merged by max into the current step's slot: through
-    `loss.backward()`, `backward(inputs=...)` and `torch.autograd.grad` alike.
+    `loss.backward()`, `backward(inputs=...)` and `torch.autograd.grad` alike; over
+    a compiled shell through `loss.backward()` only (the others warn that the
+    amaxes were lost: docs/stateful.md).
 
     amax_group: with DelayedScaling(reduce_amax=True) under torch.distributed, the ranks
     whose amaxes are all-reduced, after each forward and each backward (None: the default
@@ -133,6 +172,29 @@ class Stateful(nn.Module):
             sink = torch.zeros_like(self.workspaces[key]).requires_grad_()
             sink.register_post_accumulate_grad_hook(functools.partial(_absorb_sink, me, key))
             self._sinks[key] = sink
+        self._watch_weights(me)
+
+    def _watch_weights(self, me):
+        # Each GEMM weight that trains tells the shell when a backward computes its gradient, so
+        # a backward whose amax never arrived (autograd.grad over a compiled shell) is reported
+        # (_check_recorded) rather than lost silently. Hooks are tensors' own: copies and
+        # pickles of the parameters drop them, and the copy's shell registers its own.
+        hooks = getattr(self, "_weight_hooks", None)
+        if hooks is None:
+            hooks = self._weight_hooks = []
+            # A dropped shell takes its hooks off the weights: the model may outlive it.
+            weakref.finalize(self, _remove_hooks, hooks)
+        _remove_hooks(hooks)
+        self._expected, self._recorded, self._compiled_call = set(), set(), False
+        keys = set(self._backward_keys)
+        for path, m in self.model.named_modules():
+            if not isinstance(m, TEModule):
+                continue
+            for g in m.gemms():
+                key = (f"{path}." if path else "") + f"{g.state_names()['grad']}_amax_history"
+                w = getattr(m, g.weight, None)
+                if key in keys and isinstance(w, torch.Tensor) and w.requires_grad and w.is_leaf:
+                    hooks.append(w.register_hook(functools.partial(_weight_grad_seen, me, key)))
 
     def _watcher(self):
         me, keys = weakref.ref(self), set(self._backward_keys)
@@ -155,12 +217,14 @@ class Stateful(nn.Module):
             if torch.compiler.is_compiling():
                 # The same leaves each call: run each microbatch's backward before the next forward.
                 ws = {**ws, **{k: ws[k] + sink for k, sink in self._sinks.items()}}
+                self._compiled_call = True      # its amaxes leave through the sinks only (_check_recorded)
             else:
                 # A leaf per call and a hook on each op's node: backwards may come in any order,
                 # and the op reports its amax even where autograd drops the leaf's gradient
                 # (autograd.grad(loss, params), backward(inputs=...)).
                 ws = {**ws, **{k: ws[k].detach().requires_grad_() for k in self._backward_keys}}
                 watch = self._watcher()
+                self._compiled_call = False
         out, new_ws = functional_call(self.model, params, ws, args, kwargs, recipe=self.recipe,
                                       is_first_microbatch=is_first_microbatch, amax_group=self.amax_group,
                                       _watch=watch)
@@ -231,6 +295,7 @@ class Stateful(nn.Module):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
         state.pop("_sinks", None)
+        state.pop("_weight_hooks", None)
         return state
 
     def __setstate__(self, state):

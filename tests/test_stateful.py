@@ -171,6 +171,36 @@ def test_torch_autograd_grad_over_the_parameters_records_the_backward_amax(how):
     assert shell.workspaces["0.grad_amax_history"][0] == g.abs().max()
 
 
+@pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=)"])
+def test_autograd_grad_over_a_compiled_shell_says_its_backward_amaxes_were_lost(how):
+    """A compiled graph's amaxes leave through leaves that autograd.grad(inputs=params) prunes:
+    the shell says so, naming the histories; loss.backward() over the same graph records them."""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(tef.nn.Linear(32, 16), tef.nn.LayerNormMLP(16, 24))
+    shell = tef.Stateful(model, DELAYED)
+    compiled = torch.compile(shell, fullgraph=True, backend="aot_eager")
+    g = torch.randn(8, 16)
+    loss = (compiled(torch.randn(8, 32), is_first_microbatch=True) * g).sum()
+    params = list(shell.parameters())
+    with pytest.warns(RuntimeWarning, match=r"did not reach the shell") as record:
+        if how == "autograd.grad":
+            torch.autograd.grad(loss, params)
+        else:
+            loss.backward(inputs=params)
+    message = str(record[0].message)
+    for key in ("0.grad_amax_history", "1.fc1_grad_amax_history", "1.fc2_grad_amax_history"):
+        assert key in message
+        assert shell.workspaces[key][0] == 0                # what the warning reports: nothing recorded
+    (compiled(torch.randn(8, 32), is_first_microbatch=True) * g).sum().backward()   # no warning (pyproject)
+    assert shell.workspaces["1.fc2_grad_amax_history"][0] == g.abs().max()
+    # The hooks that tell the shell of a backward are its own: a dropped shell takes them off.
+    assert len(model[0].weight._backward_hooks) == 1
+    del shell, compiled
+    torch._dynamo.reset()
+    gc.collect()
+    assert not model[0].weight._backward_hooks and not model[1].fc1_weight._backward_hooks
+
+
 def test_two_steps_forwards_before_their_backwards_record_both_amaxes_in_the_current_slot():
     """As TE records backward amaxes into the history's current slot whenever backward runs."""
     shell = tef.Stateful(torch.nn.Sequential(tef.nn.Linear(32, 16)), DELAYED)
