@@ -70,6 +70,15 @@ def backward_keys(model: nn.Module, recipe) -> list[str]:
     return [k for k, e in workspace_spec(model, recipe).items() if e.backward]
 
 
+def backward_weights(model: nn.Module, recipe) -> dict[str, torch.Tensor]:
+    """Each entry that backward updates (backward_keys) -> the GEMM weight parameter of the GEMM
+    whose backward updates it (None where the layer has no such attribute)."""
+    _check_recipe(recipe)
+    return {_prefix(path) + k: getattr(m, g.weight, None)
+            for path, m in _te_modules(model) for g in m.gemms()
+            for k, e in g.entries(m.gemm_weight(g.weight).shape, recipe).items() if e.backward}
+
+
 def _device_of(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 

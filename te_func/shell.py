@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from . import distributed
-from .frame import (backward_keys, functional_call, init_workspaces, mark_static, upgrade_workspaces,
-                    validate_workspaces)
+from .frame import (backward_keys, backward_weights, functional_call, init_workspaces, mark_static,
+                    upgrade_workspaces, validate_workspaces)
 from .nn import TEModule
 from .ops import on_backward
 from .quant.workspace import RECIPE_KEY
@@ -186,15 +186,9 @@ class Stateful(nn.Module):
             weakref.finalize(self, _remove_hooks, hooks)
         _remove_hooks(hooks)
         self._expected, self._recorded, self._compiled_call = set(), set(), False
-        keys = set(self._backward_keys)
-        for path, m in self.model.named_modules():
-            if not isinstance(m, TEModule):
-                continue
-            for g in m.gemms():
-                key = (f"{path}." if path else "") + f"{g.state_names()['grad']}_amax_history"
-                w = getattr(m, g.weight, None)
-                if key in keys and isinstance(w, torch.Tensor) and w.requires_grad and w.is_leaf:
-                    hooks.append(w.register_hook(functools.partial(_weight_grad_seen, me, key)))
+        for key, w in backward_weights(self.model, self.recipe).items():
+            if isinstance(w, torch.Tensor) and w.requires_grad and w.is_leaf:
+                hooks.append(w.register_hook(functools.partial(_weight_grad_seen, me, key)))
 
     def _watcher(self):
         me, keys = weakref.ref(self), set(self._backward_keys)
