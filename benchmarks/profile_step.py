@@ -5,7 +5,7 @@
 Builds each named case as `benchmarks/run.py` does (compiled, warmed up), then
 records a few calls with torch.profiler and writes, per case, the kernels by
 total GPU time (name, calls per step, us per step, share) to DIR/profile_<case>.txt
-and a summary (GEMM time, the rest, the step's wall time) to DIR/profile.json.
+and a summary (GEMM time, the rest, the step's wall time, its peak memory as run.py takes it) to DIR/profile.json.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from bench_cases import Inputs, build, workloads  # noqa: E402
-from run import time_ms  # noqa: E402
+from run import _peak_bytes, time_ms  # noqa: E402
 
 STEPS = 5
 # cuBLAS / CUTLASS GEMM kernels (bf16 and FP8 alike) and inductor's Triton GEMM templates.
@@ -41,6 +41,7 @@ def profile_case(case: str, device) -> dict:
         step.fn()
     torch.cuda.synchronize()
     ms = time_ms(step.fn, device)
+    peak = _peak_bytes(step, device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(STEPS):
             step.fn()
@@ -55,11 +56,11 @@ def profile_case(case: str, device) -> dict:
     total = sum(r[2] for r in rows)
     gemm = sum(r[2] for r in rows if is_gemm(r[0]))
     lines = [f"{case}: step {ms * 1e3:.0f} us (do_bench median), kernels {total:.0f} us, "
-             f"GEMMs {gemm:.0f} us, other {total - gemm:.0f} us", ""]
+             f"GEMMs {gemm:.0f} us, other {total - gemm:.0f} us, peak {peak / 2**30:.2f} GiB", ""]
     lines += [f"{us:9.1f} us {100 * us / total:5.1f}% x{calls:<4g} {'GEMM ' if is_gemm(n) else ''}{n[:160]}"
               for n, calls, us in rows]
     return {"case": case, "step_us": ms * 1e3, "kernel_us": total, "gemm_us": gemm, "other_us": total - gemm,
-            "table": "\n".join(lines)}
+            "peak_gib": round(peak / 2**30, 3), "table": "\n".join(lines)}
 
 
 def main():

@@ -3,6 +3,11 @@ import importlib.util
 import json
 from pathlib import Path
 
+import torch
+
+import te_func as tef
+from te_func.quant import scheme_for
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("te_func_bench_run", ROOT / "benchmarks" / "run.py")
 run = importlib.util.module_from_spec(_spec)
@@ -55,3 +60,33 @@ def test_the_profiler_tells_gemms_from_the_casts_named_after_them():
     assert not profile.is_gemm("triton_poi_fused__scaled_mm__to_copy_abs_clamp_clone_t_where_5")
     assert not profile.is_gemm("triton_red_fused__to_copy_abs_amax_isnan_scalar_tensor_where_15")
     assert not profile.is_gemm("void at::native::vectorized_elementwise_kernel<8, at::native::MulFunctor>")
+
+
+def _eager_memory():
+    spec = importlib.util.spec_from_file_location("te_func_bench_memory", ROOT / "benchmarks" / "eager_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_memory_counter_counts_what_is_alive_at_once():
+    mem = _eager_memory()
+    with mem.LiveStorages() as mode:
+        a = torch.ones(1000)                # 4000 bytes
+        b = torch.ones(500) * 2             # ones (2000) and the product (2000) alive at once: 8000
+        del a, b
+        c = torch.ones(1500)                # after a and b went: 6000, under the peak
+    assert mode.peak == 8000 and c.numel() == 1500
+    # A te_func GEMM and cast counted as the GPU's kernels: only their outputs
+    x, s = torch.randn(64, 32), scheme_for(tef.recipe.Float8CurrentScaling(), "input")
+    with mem.LiveStorages() as mode, mem._AsGpu(mode):
+        q, q_t, _ = mem.quant_tensor.quantize_with_transpose(x, s)
+    assert q.data.shape == q_t.data.shape[::-1] == (64, 32)
+    assert mode.peak == 2 * 64 * 32 + 4 + 4        # both FP8 copies, scale_inv and amax (fp32 each)
+
+
+def test_eager_memory_runs_on_cpu():
+    mem = _eager_memory()
+    rows = [mem.eager_peak(v, (64, 32, 64), torch.device("cpu"), as_gpu=True) for v in ("torch-bf16", "te-current")]
+    for r in rows:      # at least the fc1 output (tokens x ffn, bf16) is alive in each step
+        assert r["growth_bytes"] >= 64 * 64 * 2 and r["resident_bytes"] > 0

@@ -224,6 +224,17 @@ def test_activation_and_its_backward_match_float64_formulas(name, params):
     h32 = h.detach().float()
     assert activation_forward(act, h32).dtype == torch.float32
     assert sqnr(ref_act(name, h.detach(), params=params), activation_forward(act, h32)) > 120
+    assert sqnr(want, activation_backward(act, dy.float(), h32)) > 110
+    # bf16 (torch's kernels for gelu, relu and silu, the formulas for the rest): fp32 math and one
+    # rounding, so within one bf16 step of the float64 result on the same (rounded) inputs; atol
+    # for where fp32's 1 + tanh cancels (gelu far left, times a gate: measured up to 2.6e-6)
+    hb, dyb = h.detach().bfloat16(), dy.bfloat16()
+    hb64 = hb.double().requires_grad_()
+    (want_b,) = torch.autograd.grad(ref_act(name, hb64, params=params), hb64, dyb.double())
+    for got, ref in ((activation_forward(act, hb), ref_act(name, hb.double(), params=params)),
+                     (activation_backward(act, dyb, hb), want_b)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), ref, rtol=2 ** -7, atol=1e-5)
 
 
 def test_glu_is_te_s_not_torch_s():
@@ -485,3 +496,19 @@ def test_norms_run_under_delayed_scaling_without_state(recipe):
     x = torch.randn(TOKENS, HIDDEN)
     out, _ = tef.functional_call(ln, dict(ln.named_parameters()), ws, (x,), recipe=recipe)
     assert sqnr(ln(x), out) > 120      # same norm, fp32 math in both (F.layer_norm vs te_func's op)
+
+
+@pytest.mark.parametrize("make", [lambda: tef.nn.Linear(32, 32), lambda: tef.nn.LayerNormMLP(32, 64)],
+                         ids=["Linear", "LayerNormMLP"])
+def test_a_second_derivative_through_an_fp8_layer_is_refused(make):
+    """An FP8 layer's backward (casts, FP8 GEMMs) is not differentiable, as TE's is not: a
+    gradient taken with create_graph=True is usable as a value, and differentiating it again
+    raises torch's once_differentiable error instead of returning a made-up second derivative."""
+    m = perturbed(make())
+    x = torch.randn(16, 32, requires_grad=True)
+    with tef.autocast(tef.recipe.Float8CurrentScaling()):
+        out = m(x)
+    (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    assert torch.isfinite(gx).all() and gx.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.square().sum().backward()

@@ -163,23 +163,65 @@ def _compute_dtype(x):
     return torch.promote_types(x.dtype, torch.float32)
 
 
+# torch's own kernels for gelu (tanh), relu and silu, for the FP8 path's forward and explicit
+# backward: one pass over fc1's output each way, where the formulas above are ten or so
+# fp32 passes in eager (inductor fuses either). Like the formulas they compute in fp32 and
+# round once to x's dtype, so they agree with them to fp32 rounding; float64 keeps the
+# formulas (the exact references the tests compare against).
+class _Fused(NamedTuple):
+    fn: Callable        # x -> act(x)
+    dfn: Callable       # (dy, x) -> dy * act'(x)
+
+
+def _relu_backward(dy, x):
+    # exact in dy's dtype; NaN * 0 stays NaN, as in the formula (a `where` would drop it)
+    return dy * (x > 0).to(dy.dtype)
+
+
+_GELU = _Fused(lambda x: F.gelu(x, approximate="tanh"),
+               lambda dy, x: torch.ops.aten.gelu_backward(dy, x, approximate="tanh"))
+_RELU = _Fused(F.relu, _relu_backward)
+_SILU = _Fused(F.silu, torch.ops.aten.silu_backward)
+_FUSED = {"gelu": _GELU, "geglu": _GELU, "relu": _RELU, "reglu": _RELU, "silu": _SILU, "swiglu": _SILU}
+
+
+def _fused(act: Activation, x: torch.Tensor) -> _Fused | None:
+    return None if x.dtype == torch.float64 else _FUSED.get(act.name)
+
+
+def _formulas(act: Activation) -> _Fused:
+    kind, p = _TABLE[act.name], act.kwargs
+    return _Fused(lambda a: kind.fn(a, **p), lambda dy, a: dy * kind.dfn(a, **p))
+
+
+def _kernels(act: Activation, x: torch.Tensor) -> _Fused:
+    """(act, dy * act') for x: torch's kernels where they apply, else the formulas."""
+    return _fused(act, x) or _formulas(act)
+
+
 def activation_forward(act: Activation, x: torch.Tensor) -> torch.Tensor:
     """x (tokens, ffn), or (tokens, 2 * ffn) when gated -> (tokens, ffn), x's dtype."""
+    return _forward(act, x, _kernels(act, x))
+
+
+def _forward(act: Activation, x: torch.Tensor, k: _Fused) -> torch.Tensor:
     kind, p = _TABLE[act.name], act.kwargs
+    if not kind.gated and k is _fused(act, x):
+        return k.fn(x)              # torch's kernel: fp32 inside for a bf16 / fp16 x, one rounding
     xf = x.to(_compute_dtype(x))
     if kind.gated:
         a, gate = xf.chunk(2, dim=-1)
         if kind.gate is not None:
             gate = kind.gate(gate, **p)
-        return (kind.fn(a, **p) * gate).to(x.dtype)
-    return kind.fn(xf, **p).to(x.dtype)
+        return (k.fn(a) * gate).to(x.dtype)
+    return k.fn(xf).to(x.dtype)
 
 
-# torch's own fused activations for gelu and relu: one kernel, and autograd keeps
-# only the input, where gelu's formula above keeps six intermediates. (F.silu is
-# left out: its eager backward and torch.func.grad's differ in the last bit.)
-_gelu_tanh = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731
-_TORCH = {"gelu": _gelu_tanh, "geglu": _gelu_tanh, "relu": F.relu, "reglu": F.relu}
+# torch's own functions for the high-precision path, which autograd differentiates: gelu
+# and relu keep only their input for backward, where gelu's formula keeps six
+# intermediates. (F.silu is left out there: its eager backward and torch.func.grad's
+# differ in the last bit.)
+_TORCH = {"gelu": _GELU.fn, "geglu": _GELU.fn, "relu": F.relu, "reglu": F.relu}
 
 
 def activation_reference(act: Activation, x: torch.Tensor) -> torch.Tensor:
@@ -187,7 +229,7 @@ def activation_reference(act: Activation, x: torch.Tensor) -> torch.Tensor:
     autograd differentiates: torch's function where it has one, else the formula."""
     torch_fn = _TORCH.get(act.name)
     if torch_fn is None:
-        return activation_forward(act, x)
+        return _forward(act, x, _formulas(act))     # autograd differentiates the formula
     if is_gated(act.name):
         a, gate = x.chunk(2, dim=-1)
         return torch_fn(a) * gate
@@ -196,11 +238,13 @@ def activation_reference(act: Activation, x: torch.Tensor) -> torch.Tensor:
 
 def activation_backward(act: Activation, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """dy (tokens, ffn), x = the forward's input -> dx of x's shape and dtype."""
-    kind, p = _TABLE[act.name], act.kwargs
+    kind, p, k = _TABLE[act.name], act.kwargs, _kernels(act, x)
+    if not kind.gated and k is _fused(act, x) and dy.dtype == x.dtype:
+        return k.dfn(dy, x)         # torch's kernel: fp32 inside, one rounding
     ct = _compute_dtype(x)
     xf, dy = x.to(ct), dy.to(ct)
     if kind.gated:
         a, g = xf.chunk(2, dim=-1)
         gate, dgate = (g, 1.0) if kind.gate is None else (kind.gate(g, **p), kind.dgate(g, **p))
-        return torch.cat([dy * gate * kind.dfn(a, **p), dy * kind.fn(a, **p) * dgate], dim=-1).to(x.dtype)
-    return (dy * kind.dfn(xf, **p)).to(x.dtype)
+        return torch.cat([k.dfn(dy * gate, a), dy * k.fn(a) * dgate], dim=-1).to(x.dtype)
+    return k.dfn(dy, xf).to(x.dtype)

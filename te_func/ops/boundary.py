@@ -86,7 +86,13 @@ class _Boundary(torch.autograd.Function):
         ctx.first_meta = (first.shape, first.dtype, first.device)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
+        # once_differentiable: the backward runs without recording a graph (torch.func.grad
+        # always asks for one; it would keep every temporary of the backward alive, as
+        # much again as the layer's activations), and a second derivative through it is
+        # refused with torch's error instead of differentiating casts and GEMMs that have
+        # none. TE's backward is not differentiable either.
         op = ctx.op
         saved = {**ctx.sizes, **dict(zip(op.saved, ctx.saved_tensors))}
         need = dict(zip(ctx.names, ctx.needs_input_grad[2:]))

@@ -63,8 +63,11 @@ class LayerNormMLPFP8:
         if not need_dfc1:
             return out
         dfc1 = activation_backward(self.activation, dact, s["fc1_out"])       # (tokens, fc1 width)
+        del dact        # the (tokens, ffn) gradients go as soon as they are used: eager's peak memory
+        out["fc1_bias"] = ctx.cast("fc1_bias", dfc1.sum(0))
         dln, dw1, sink1 = self.fc1.backward(s, dfc1, need_dln, ctx.dtype["x"], ctx)
-        out.update(fc1_weight=dw1, fc1_bias=ctx.cast("fc1_bias", dfc1.sum(0)), **sink1)
+        del dfc1
+        out.update(fc1_weight=dw1, **sink1)
         if need_dln:
             if grads["ln_out"] is not None:     # return_layernorm_output: TE adds its gradient
                 dln = dln + grads["ln_out"]

@@ -69,17 +69,22 @@ def norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rsigma: torch.Tensor,
                   weight: torch.Tensor, cfg: NormConfig):
     """dy (tokens, hidden) -> (dx in x's dtype, dweight (hidden,) fp32, dbias (hidden,) fp32)."""
+    # Written so that three (tokens, hidden) fp32 temporaries at most live at once (eager's
+    # peak memory): dy enters the products in its own dtype (the multiply promotes to fp32
+    # inside the kernel, the same values as an fp32 copy), and the in-place updates are on
+    # `inner`, a fresh tensor that depends on every input (so batched under vmap if any is).
     ct = _compute_dtype(x)
-    dy, xf = dy.to(ct), x.to(ct)
-    x_hat = (xf if mean is None else xf - mean) * rsigma
+    x_hat = (x.to(ct) if mean is None else x.to(ct) - mean) * rsigma
+    dweight, dbias = (dy * x_hat).sum(0), dy.sum(0, dtype=ct)
     dx_hat = dy * _gamma(weight, cfg, ct)
     # d/dx of x_hat: remove the components along x_hat (and, for LayerNorm, the mean).
-    proj = (dx_hat * x_hat).mean(-1, keepdim=True)
-    inner = dx_hat - x_hat * proj
+    inner = x_hat * (dx_hat * x_hat).mean(-1, keepdim=True)
+    del x_hat
+    inner.neg_().add_(dx_hat)           # dx_hat - x_hat * proj, exactly
     if mean is not None:
-        inner = inner - dx_hat.mean(-1, keepdim=True)
-    dx = (inner * rsigma).to(x.dtype)
-    return dx, (dy * x_hat).sum(0), dy.sum(0)
+        inner.sub_(dx_hat.mean(-1, keepdim=True))
+    del dx_hat
+    return inner.mul_(rsigma).to(x.dtype), dweight, dbias
 
 
 def norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: NormConfig):
