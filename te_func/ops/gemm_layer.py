@@ -40,7 +40,8 @@ from ..quant import (BatchAmax, DelayedState, Quantized, Scheme, WeightCast, deq
                      quantize_with_transpose)
 from ..quant import scheme_for
 
-__all__ = ["GemmConfig", "GemmSlot", "forward_gemm", "backward_gemm", "backward_amax"]
+__all__ = ["GemmConfig", "GemmSlot", "GradCasts", "forward_gemm", "backward_gemm", "backward_gemms", "quantize_grad",
+           "backward_amax"]
 
 # TE's accumulation where a recipe has no MMParams: fast for the forward GEMM, split
 # (more precise) for the two backward GEMMs.
@@ -98,6 +99,23 @@ def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: 
     return out, xq, xq_t, new_state
 
 
+def quantize_grad(grad_out: torch.Tensor, cfg: GemmConfig, with_transpose: bool, g_state=None):
+    """The output gradient's casts for the backward GEMMs: (gq, gq_t (the cast of grad_out.T, for
+    the weight gradient) or None, new grad state)."""
+    if not with_transpose:          # input gradient only: one cast, along out_features
+        gq, new_state = quantize_scheme(grad_out, cfg.grad, g_state)
+        return gq, None, new_state
+    return quantize_with_transpose(grad_out, cfg.grad, g_state)
+
+
+def backward_gemms(gq: Quantized, gq_t: Quantized | None, w_t: Quantized | None, xq_t: Quantized | None,
+                   cfg: GemmConfig, x_dtype: torch.dtype, w_dtype: torch.dtype):
+    """The input- and weight-gradient GEMMs from the output gradient's casts: (dx or None, dw or None)."""
+    dx = None if w_t is None else gemm(gq, w_t, x_dtype, fast_accum=cfg.fast_accum[1])
+    dw = None if xq_t is None else gemm(gq_t, xq_t, w_dtype, fast_accum=cfg.fast_accum[2])
+    return dx, dw
+
+
 def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized | None, cfg: GemmConfig,
                   x_dtype: torch.dtype, w_dtype: torch.dtype, g_state=None):
     """grad_out (tokens, out) -> (dx (tokens, in) or None, dw (out, in) or None, new grad state).
@@ -107,14 +125,21 @@ def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized
     """
     if w_t is None and xq_t is None:
         return None, None, g_state
-    if xq_t is None:          # input gradient only: one cast, along out_features
-        gq, new_state = quantize_scheme(grad_out, cfg.grad, g_state)
-        gq_t = None
-    else:
-        gq, gq_t, new_state = quantize_with_transpose(grad_out, cfg.grad, g_state)
-    dx = None if w_t is None else gemm(gq, w_t, x_dtype, fast_accum=cfg.fast_accum[1])
-    dw = None if xq_t is None else gemm(gq_t, xq_t, w_dtype, fast_accum=cfg.fast_accum[2])
-    return dx, dw, new_state
+    gq, gq_t, new_state = quantize_grad(grad_out, cfg, xq_t is not None, g_state)
+    return (*backward_gemms(gq, gq_t, w_t, xq_t, cfg, x_dtype, w_dtype), new_state)
+
+
+@dataclass
+class GradCasts:
+    """The first half of a slot's backward (`GemmSlot.backward_cast`): which GEMMs run, and the
+    output gradient as they read it: its casts and the new grad state, or with the recipe's
+    backward_override the gradient itself."""
+    need_dx: bool
+    need_dw: bool
+    gq: Quantized | None = None
+    gq_t: Quantized | None = None
+    new_g: object = None
+    grad_out: torch.Tensor | None = None
 
 
 def _state(s: Scheme, record, scale) -> DelayedState | BatchAmax | None:
@@ -212,17 +237,18 @@ class GemmSlot:
 
     def backward(self, s: dict, grad_out: torch.Tensor, need_dx: bool, dx_dtype: torch.dtype | None, ctx):
         """grad_out (tokens, out) -> (dx (tokens, in) or None, dw or None, {g_sink's name: its gradient})."""
-        n, cfg, weight = self._n, self.cfg, self.weight
-        need_dw = ctx.need[weight]
+        return self.backward_gemms(s, self.backward_cast(s, grad_out, need_dx, ctx), dx_dtype, ctx)
+
+    def backward_cast(self, s: dict, grad_out: torch.Tensor, need_dx: bool, ctx) -> GradCasts:
+        """`backward`'s first half: grad_out quantized once for the GEMMs that will run. A caller
+        holding no other reference to grad_out lets it go before the GEMMs (eager's peak memory)."""
+        n, cfg = self._n, self.cfg
+        need_dw = ctx.need[self.weight]
         if need_dw and s[n("x_saved")] is None:
-            raise RuntimeError(f"te_func: the gradient of {weight} was requested but the forward ran without "
-                               f"saving that GEMM's input ({weight}.requires_grad was False then)")
+            raise RuntimeError(f"te_func: the gradient of {self.weight} was requested but the forward ran without "
+                               f"saving that GEMM's input ({self.weight}.requires_grad was False then)")
         if cfg.backward_override is not None:
-            dx, dw = self._backward_unquantized(s, grad_out, need_dx, need_dw, dx_dtype, ctx.dtype.get(weight))
-            return dx, dw, {}
-        w_t = Quantized(s[n("w_t")], s[n("w_t_scale_inv")], cfg.weight.block, s[n("w_amax")]) if need_dx else None
-        xq_t = Quantized(s[n("x_saved")], s[n("x_saved_scale_inv")], cfg.input.block,
-                         s[n("x_saved_amax")]) if need_dw else None
+            return GradCasts(need_dx, need_dw, grad_out=grad_out)
         if cfg.grad.stochastic_rounding:
             g_state = s[n("g_rng")]
         else:
@@ -230,9 +256,24 @@ class GemmSlot:
             if isinstance(g_state, DelayedState):
                 # The amax goes into a zero history: only this backward's amax comes back (see backward_amax).
                 g_state = DelayedState(torch.zeros_like(g_state.amax_history), g_state.scale)
-        dx, dw, new_g = backward_gemm(grad_out, w_t, xq_t, cfg, dx_dtype, ctx.dtype.get(weight), g_state)
+        if not (need_dx or need_dw):
+            return GradCasts(need_dx, need_dw, new_g=g_state)
+        return GradCasts(need_dx, need_dw, *quantize_grad(grad_out, cfg, need_dw, g_state))
+
+    def backward_gemms(self, s: dict, casts: GradCasts, dx_dtype: torch.dtype | None, ctx):
+        """`backward`'s second half: (dx or None, dw or None, {g_sink's name: its gradient})."""
+        n, cfg, w_dtype = self._n, self.cfg, ctx.dtype.get(self.weight)
+        if cfg.backward_override is not None:
+            return (*self._backward_unquantized(s, casts.grad_out, casts.need_dx, casts.need_dw, dx_dtype, w_dtype),
+                    {})
+        w_t = Quantized(s[n("w_t")], s[n("w_t_scale_inv")], cfg.weight.block, s[n("w_amax")]) if casts.need_dx \
+            else None
+        xq_t = Quantized(s[n("x_saved")], s[n("x_saved_scale_inv")], cfg.input.block,
+                         s[n("x_saved_amax")]) if casts.need_dw else None
+        dx, dw = (None, None) if casts.gq is None else backward_gemms(casts.gq, casts.gq_t, w_t, xq_t, cfg,
+                                                                      dx_dtype, w_dtype)
         sink = n("g_sink")
-        return dx, dw, {sink: backward_amax(new_g) if ctx.need.get(sink) else None}
+        return dx, dw, {sink: backward_amax(casts.new_g) if ctx.need.get(sink) else None}
 
     def _backward_unquantized(self, s, grad_out, need_dx, need_dw, dx_dtype, w_dtype):
         # TE's backward_override: the output gradient stays in high precision and the two

@@ -39,6 +39,7 @@ class LayerNormLinearFP8:
         x = t["x"]
         y, mean, rsigma = norm_forward(x, t["ln_weight"], t["ln_bias"], self.norm)
         ln_out = y.to(x.dtype)                                                  # (tokens, in)
+        del y           # fp32: gone before the GEMMs (eager's peak memory)
         out, gemm_out = self.gemm.forward(t, ln_out, t["bias"])                 # (tokens, out)
         return {"out": out, "ln_out": ln_out, "mean": mean, "rsigma": rsigma, **gemm_out}
 

@@ -48,6 +48,7 @@ class LayerNormMLPFP8:
         x = t["x"]
         y, mean, rsigma = norm_forward(x, t["ln_weight"], t["ln_bias"], self.norm)
         ln_out = y.to(x.dtype)                                                  # (tokens, hidden)
+        del y           # fp32: gone before the GEMMs (eager's peak memory)
         fc1_out, fc1_state = self.fc1.forward(t, ln_out, t["fc1_bias"])         # (tokens, fc1 width)
         act_out = activation_forward(self.activation, fc1_out)                  # (tokens, ffn)
         out, fc2_state = self.fc2.forward(t, act_out, t["fc2_bias"])            # (tokens, hidden)
@@ -63,10 +64,14 @@ class LayerNormMLPFP8:
         if not need_dfc1:
             return out
         dfc1 = activation_backward(self.activation, dact, s["fc1_out"])       # (tokens, fc1 width)
-        del dact        # the (tokens, ffn) gradients go as soon as they are used: eager's peak memory
+        # The (tokens, ffn) gradients go as soon as they are used (eager's peak memory): dact
+        # here, dfc1 once its bias sum and FP8 casts are made, before fc1's backward GEMMs.
+        del dact
         out["fc1_bias"] = ctx.cast("fc1_bias", dfc1.sum(0))
-        dln, dw1, sink1 = self.fc1.backward(s, dfc1, need_dln, ctx.dtype["x"], ctx)
+        casts = self.fc1.backward_cast(s, dfc1, need_dln, ctx)
         del dfc1
+        dln, dw1, sink1 = self.fc1.backward_gemms(s, casts, ctx.dtype["x"], ctx)
+        del casts
         out.update(fc1_weight=dw1, **sink1)
         if need_dln:
             if grads["ln_out"] is not None:     # return_layernorm_output: TE adds its gradient
