@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import sys
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,13 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from torch._C import _functorch  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import te_func.ops.gemm_layer as gemm_layer  # noqa: E402
 import te_func.quant.tensor as quant_tensor  # noqa: E402
 from bench_cases import Inputs, Workload, build  # noqa: E402
-from torch.utils._python_dispatch import _disable_current_modes  # noqa: E402
 
 VARIANTS = ("torch-bf16", "te-bf16", "te-current", "te-delayed")
 
@@ -85,7 +85,7 @@ def _cast_as_the_kernels_do(x, dtype, fp8_max, amax_epsilon, power_2_scale, scal
     amax = quant_tensor.amax_of(x)
     if scale is None:
         scale = quant_tensor.scale_from_amax(amax, fp8_max, amax_epsilon, power_2_scale)
-    data = quant_tensor._cast(x, scale, argparse.Namespace(dtype=dtype, fp8_max=fp8_max))
+    data = quant_tensor._cast(x, scale, types.SimpleNamespace(dtype=dtype, fp8_max=fp8_max))     # what _cast reads of a Scheme
     data_t = data.t().contiguous() if with_transpose else None
     return data, data_t, torch.reciprocal(scale.float()), amax
 
@@ -134,10 +134,11 @@ def main():
     device = torch.device(args.device)
     as_gpu = device.type != "cuda" if args.as_gpu is None else args.as_gpu
     rows = [eager_peak(v, shape, device, as_gpu) for v in args.variants.split(",")]
-    base = next((r["peak_gib"] for r in rows if r["variant"] == "torch-bf16"), None)
+    total = lambda r: r["growth_bytes"] + r["resident_bytes"]  # noqa: E731
+    base = next((total(r) for r in rows if r["variant"] == "torch-bf16"), None)
     for r in rows:
         if base:
-            r["x_bf16"] = round(r["peak_gib"] / base, 3)
+            r["x_bf16"] = round(total(r) / base, 4)
         print(json.dumps(r), flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))

@@ -66,31 +66,30 @@ def norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y, mean, rsigma
 
 
+# The eager norm backward's dx in 4 row chunks from 1024 rows on (fewer: its temporaries are small).
+_CHUNKS, _MIN_ROWS_TO_CHUNK = 4, 1024
+
+
 def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rsigma: torch.Tensor,
                   weight: torch.Tensor, cfg: NormConfig):
     """dy (tokens, hidden) -> (dx in x's dtype, dweight (hidden,) fp32, dbias (hidden,) fp32)."""
     # Written for eager's peak memory: two (tokens, hidden) fp32 temporaries live at once for
     # the parameter gradients, then dx is made in _CHUNKS row chunks (each row's math is its
-    # own, so the chunks give the same bits), three temporaries of a chunk each.
+    # own, so the chunks give the same bits), four temporaries of a chunk's size each.
     # dy enters the products in its own dtype (the multiply promotes to fp32 inside the
     # kernel: the values of an fp32 copy). Under torch.compile inductor fuses it all: one chunk.
     ct = _compute_dtype(x)
     x_hat = _normalized(x, mean, rsigma, ct)
     dweight, dbias = (dy * x_hat).sum(0), dy.sum(0, dtype=ct)
-    gamma = _gamma(weight, cfg, ct)
-    rows = x.shape[0]
+    gamma, rows = _gamma(weight, cfg, ct), x.shape[0]
     if torch.compiler.is_compiling() or not isinstance(rows, int) or rows < _MIN_ROWS_TO_CHUNK:
         return _norm_dx(dy, x_hat, gamma, rsigma, mean is not None).to(x.dtype), dweight, dbias
-    del x_hat
+    del x_hat       # each chunk makes its rows' own
     step = -(-rows // _CHUNKS)
     part = lambda t, i: None if t is None else t[i:i + step]  # noqa: E731
     chunks = [_norm_dx(dy[i:i + step], _normalized(x[i:i + step], part(mean, i), part(rsigma, i), ct), gamma,
                        part(rsigma, i), mean is not None).to(x.dtype) for i in range(0, rows, step)]
     return torch.cat(chunks), dweight, dbias
-
-
-# The eager norm backward's dx in 4 row chunks from 1024 rows on (fewer: its temporaries are small).
-_CHUNKS, _MIN_ROWS_TO_CHUNK = 4, 1024
 
 
 def _normalized(x, mean, rsigma, ct):
@@ -103,7 +102,6 @@ def _norm_dx(dy, x_hat, gamma, rsigma, centered: bool) -> torch.Tensor:
     dx_hat = dy * gamma
     # d/dx of x_hat: remove the components along x_hat (and, for LayerNorm, the mean).
     inner = x_hat * (dx_hat * x_hat).mean(-1, keepdim=True)
-    del x_hat
     inner.neg_().add_(dx_hat)           # dx_hat - x_hat * proj, exactly
     if centered:
         inner.sub_(dx_hat.mean(-1, keepdim=True))
