@@ -10,9 +10,9 @@ plus the step's resident bytes (parameters, workspaces, inputs), as run.py adds 
 
 Eager allocations do not depend on the device but where the kernels do. Off CUDA (`--as-gpu`,
 the default there) te_func's FP8 GEMMs and tensor-wise casts are counted as the GPU runs them:
-cuBLAS's `_scaled_mm` and te_func's fused cast kernels allocate only their outputs, where the
-CPU's exact emulation dequantizes both GEMM operands to fp32 and its torch-code cast makes an
-fp32 product. Scaling the shape with its ratios kept (tokens : hidden : ffn) scales every tensor
+cuBLAS's `_scaled_mm` and te_func's fused cast and activation kernels allocate only their
+outputs, where the CPU's exact emulation dequantizes both GEMM operands to fp32, its torch-code
+cast makes an fp32 product and its GELU formulas fp32 temporaries. Scaling the shape with its ratios kept (tokens : hidden : ffn) scales every tensor
 by the same factor, so the ratios to torch bf16 are those of the full-size shape.
 """
 from __future__ import annotations
@@ -34,7 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import te_func.ops.gemm_layer as gemm_layer  # noqa: E402
+import te_func.kernels as te_kernels  # noqa: E402
 import te_func.quant.tensor as quant_tensor  # noqa: E402
+from te_func.ops.activations import activation_backward, activation_forward, activation_spec  # noqa: E402
 from bench_cases import Inputs, Workload, build  # noqa: E402
 
 VARIANTS = ("torch-bf16", "te-bf16", "te-current", "te-delayed")
@@ -80,9 +82,9 @@ class LiveStorages(TorchDispatchMode):
         return call
 
 
-def _cast_as_the_kernels_do(x, dtype, fp8_max, amax_epsilon, power_2_scale, scale, with_transpose):
+def _cast_as_the_kernels_do(x, dtype, fp8_max, amax_epsilon, power_2_scale, scale, with_transpose, amax=None):
     """te_func.kernels.tensorwise_cast's results by te_func.quant's torch code (bit-identical)."""
-    amax = quant_tensor.amax_of(x)
+    amax = quant_tensor.amax_of(x) if amax is None else amax
     if scale is None:
         scale = quant_tensor.scale_from_amax(amax, fp8_max, amax_epsilon, power_2_scale)
     data = quant_tensor._cast(x, scale, types.SimpleNamespace(dtype=dtype, fp8_max=fp8_max))     # what _cast reads of a Scheme
@@ -90,15 +92,26 @@ def _cast_as_the_kernels_do(x, dtype, fp8_max, amax_epsilon, power_2_scale, scal
     return data, data_t, torch.reciprocal(scale.float()), amax
 
 
+_GELU = activation_spec("gelu")
+
+
+def _activation_as_the_kernel_does(x, act, y=None, column_sums=False):
+    """te_func.kernels.activation's results by te_func.ops.activations' formulas (bit-identical)."""
+    v = activation_forward(_GELU, x) if act == "gelu" else activation_backward(_GELU, x, y)
+    return v, quant_tensor.amax_of(v), v.sum(0) if column_sums else None
+
+
 class _AsGpu:
-    """While entered, `mode` counts te_func's GEMMs and tensor-wise casts as single GPU kernels."""
+    """While entered, `mode` counts te_func's GEMMs, tensor-wise casts and fused activations as
+    single GPU kernels."""
 
     def __init__(self, mode: LiveStorages):
         self.mode, self.saved = mode, []
 
     def __enter__(self):
         for owner, name, fn in ((gemm_layer, "gemm", gemm_layer.gemm),
-                                (quant_tensor, "tensorwise_cast", _cast_as_the_kernels_do)):
+                                (quant_tensor, "tensorwise_cast", _cast_as_the_kernels_do),
+                                (te_kernels, "activation", _activation_as_the_kernel_does)):
             self.saved.append((owner, name, getattr(owner, name)))
             setattr(owner, name, self.mode.as_one_kernel(fn))
 

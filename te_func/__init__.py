@@ -19,7 +19,7 @@ The package's layers, each importing only those below it:
     gemm.py      FP8 and FP4 GEMMs: torch._scaled_mm where the device has it, exact emulation elsewhere
     quant/       scaling math, quantize / dequantize, cached weight casts, delayed-scaling state,
                  and the workspace format (quant/workspace.py)
-    kernels/     fused Triton casts for eager CUDA tensors, bit-identical to quant's torch code
+    kernels/     fused Triton casts (and the GELU's pass) for eager CUDA tensors, bit-identical to the torch code
     recipe.py    the recipes: frozen, hashable dataclasses
 
 Promises: nothing passed to a functional call is mutated; the same inputs give

@@ -14,9 +14,12 @@ import torch
 
 import te_func as tef
 import te_func.kernels as kernels
-from cases import detached_params
+from cases import detached_params, sqnr
 from te_func.kernels import dispatch
+from te_func.ops.activations import (activation_backward, activation_forward, activation_grad_with_sums,
+                                    activation_spec, activation_with_amax)
 from te_func.quant import DelayedState, Scheme, quantize_scheme, quantize_with_transpose
+from te_func.quant.tensor import amax_of
 from te_func.recipe import DelayedScaling, Float8CurrentScaling
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -173,6 +176,120 @@ def test_compiled_cast_takes_the_torch_path_and_agrees(device, kernels_on):
     assert_same_bits(got, quantize_with_transpose(x, s))
 
 
+GELU = activation_spec("gelu")
+
+
+def assert_same_activation(got, want):
+    """Bit for bit on the GPU. Triton's interpreter has no CUDA tanhf: there the GELU agrees
+    with torch's CPU one to rounding."""
+    if not INTERPRET:
+        assert_same_bits(got, want)
+        return
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and sqnr(w, g) > 40
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("backward", [False, True], ids=["gelu", "gelu_backward"])
+def test_gelu_kernel_matches_the_formulas_with_its_amax_and_column_sums(device, kernels_on, backward, shape,
+                                                                         dtype):
+    x, y = random_input(shape, dtype, device), random_input(shape, dtype, device) * 4
+    before = dispatch.calls["fused"]
+    if backward:
+        v, amax, sums = activation_grad_with_sums(GELU, x, y, column_sums=True)
+        want = activation_backward(GELU, x, y)
+    else:
+        (v, amax), sums = activation_with_amax(GELU, x), None
+        want = activation_forward(GELU, x)
+    assert dispatch.calls["fused"] > before
+    assert_same_activation((v, amax), (want, amax_of(want)))
+    if sums is None:
+        return
+    assert sums.dtype == dtype
+    if INTERPRET:
+        assert sqnr(want.sum(0), sums) > 30
+        return
+    # One sum over rows in fp32, as torch's, in another order: the same to fp32 rounding of
+    # the terms, then one rounding to x's dtype.
+    torch.testing.assert_close(sums.float(), want.sum(0).float(), rtol=torch.finfo(dtype).eps,
+                               atol=4 * torch.finfo(torch.float32).eps * want.float().abs().sum(0).max().item())
+
+
+@gpu
+@pytest.mark.parametrize("special", list(SPECIALS), ids=str)
+@pytest.mark.parametrize("backward", [False, True], ids=["gelu", "gelu_backward"])
+def test_gelu_kernel_on_nan_inf_zeros_and_extremes(device, kernels_on, backward, special):
+    if INTERPRET and special in ("nan", "neg-nan", "inf", "neg-inf", "huge"):
+        pytest.skip("the interpreter's NaN and overflow handling is not the GPU's")
+    x = SPECIALS[special](torch.randn(33, 70, device=device)).to(torch.bfloat16)
+    y = torch.randn(33, 70, device=device, dtype=torch.bfloat16) * 4
+    if backward:
+        got, want = activation_grad_with_sums(GELU, x, y, False)[:2], activation_backward(GELU, x, y)
+    else:
+        got, want = activation_with_amax(GELU, x), activation_forward(GELU, x)
+    assert_same_activation(got, (want, amax_of(want)))
+
+
+@gpu
+@pytest.mark.parametrize("scheme", list(SCHEMES), ids=str)
+def test_cast_with_a_known_amax_matches_the_torch_path(device, kernels_on, scheme):
+    """A producer's amax (the GELU kernels') spares current scaling its amax pass, same bits."""
+    s, x = SCHEMES[scheme], random_input((130, 260), torch.bfloat16, device)
+    state = state_for(device) if s.rule == "delayed" else None
+    fused, reference = both_paths(lambda: quantize_with_transpose(x, s, state, amax_of(x)))
+    assert_same_bits(fused, reference)
+    assert_same_bits(fused, quantize_with_transpose(x, s, state))
+
+
+def _mlp_step(device, recipe):
+    model = tef.nn.LayerNormMLP(96, 192, params_dtype=torch.bfloat16, device=device)
+    params, ws = detached_params(model), tef.init_workspaces(model, recipe)
+    x = torch.randn(40, 96, device=device, dtype=torch.bfloat16)
+
+    def loss_fn(p, w, x):
+        out, new_w = tef.functional_call(model, p, w, (x,), recipe=recipe, is_first_microbatch=None)
+        return out.float().square().mean(), new_w
+    return tef.value_and_grad(loss_fn, argnums=(0, 2)), (params, ws, x)
+
+
+def assert_same_step(got, want):
+    """A LayerNormMLP step's results: the same bits, but fc1's bias gradient, a sum over tokens
+    the kernels take in another order (to the last bit of bf16)."""
+    (loss, (grads, dx), ws), (want_loss, (want_grads, want_dx), want_ws) = got, want
+    bias, want_bias = grads.pop("fc1_bias"), want_grads.pop("fc1_bias")
+    if INTERPRET:   # no CUDA tanhf there: close, not the same bits
+        assert sqnr(want_bias, bias) > 30 and sqnr(want_dx, dx) > 20
+        assert all(sqnr(want_grads[k], grads[k]) > 20 for k in grads)
+        return
+    torch.testing.assert_close(bias, want_bias, rtol=2 ** -7, atol=0)
+    assert_same_bits((loss, grads, dx, ws), (want_loss, want_grads, want_dx, want_ws))
+
+
+@gpu
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
+                         ids=lambda r: type(r).__name__)
+def test_layernorm_mlp_with_the_gelu_kernels_matches_the_torch_path(device, kernels_on, recipe):
+    step, args = _mlp_step(device, recipe)
+    fused, reference = both_paths(lambda: step(*args))
+    assert_same_step(fused, reference)
+
+
+@gpu
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
+                         ids=lambda r: type(r).__name__)
+def test_compiled_layernorm_mlp_takes_the_torch_path_with_the_same_bits(device, kernels_on, recipe):
+    """Under torch.compile the GELU's casts are te_func's torch code (inductor fuses it itself);
+    aot_eager runs it as written: the kernels' eager results, bit for bit."""
+    step, args = _mlp_step(device, recipe)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    before = dispatch.calls["fused"]
+    got = compiled(*args)
+    assert dispatch.calls["fused"] == before
+    assert_same_step(got, step(*args))
+
+
 def test_cpu_tensors_take_the_torch_path(kernels_on):
     if INTERPRET:
         pytest.skip("the interpreter runs the kernels on CPU")
@@ -193,27 +310,46 @@ VARIANTS = [("bf16", E4M3, *flags) for flags in itertools.product([False, True],
      ("fp32", E4M3, False, True, False, False)]
 
 
+def _compile_for_hopper(fn, signature: dict, constexprs: dict) -> str:
+    """The PTX Triton's own ptxas makes of `fn` for sm_90 (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 8}).asm["ptx"]
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
 def test_every_kernel_variant_compiles_for_hopper(variant):
     """Triton's own ptxas compiles for sm_90 without a GPU: front-end errors show up on any machine."""
     if INTERPRET:
         pytest.skip("the interpreter does not compile")
     pytest.importorskip("triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from te_func.kernels import cast
     x_dtype, fp8, given, pow2, write_t, soft = variant
     fp8_type, mantissa, bias = cast._FP8[fp8]
-    constexprs = {"FP8": fp8_type, "GIVEN_SCALE": given, "POW2": pow2, "WRITE_T": write_t, "SOFT_ROUND": soft,
-                  "MANTISSA": mantissa, "BIAS": bias, "BLOCK_M": cast.TILE_M, "BLOCK_N": cast.TILE_N}
-    signature = {**_signature(x_dtype, given), **{name: "constexpr" for name in constexprs}}
-    kernel = triton.compile(ASTSource(cast._cast_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 8})
-    ptx = kernel.asm["ptx"]
+    ptx = _compile_for_hopper(cast._cast_kernel, _signature(x_dtype, given),
+                              {"FP8": fp8_type, "GIVEN_SCALE": given, "POW2": pow2, "WRITE_T": write_t,
+                               "SOFT_ROUND": soft, "MANTISSA": mantissa, "BIAS": bias, "BLOCK_M": cast.TILE_M,
+                               "BLOCK_N": cast.TILE_N})
     assert "div.rn.f32" in ptx or given                   # the scale: one correctly rounded division
     assert soft or f"cvt.rn.satfinite.{'e4m3' if fp8 == E4M3 else 'e5m2'}x2.f32" in ptx   # round to nearest even
-    amax = ASTSource(cast._amax_kernel, {"x_ptr": "*" + x_dtype, "amax_bits_ptr": "*i32", "numel": "i32",
-                                         "iters": "i32", "BLOCK": "constexpr"}, {"BLOCK": cast.AMAX_BLOCK})
-    assert "atom" in triton.compile(amax, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    amax = _compile_for_hopper(cast._amax_kernel, {"x_ptr": "*" + x_dtype, "amax_bits_ptr": "*i32", "numel": "i32",
+                                                   "iters": "i32"}, {"BLOCK": cast.AMAX_BLOCK})
+    assert "atom" in amax
+
+
+@pytest.mark.parametrize("x_dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("act,colsum", [(1, False), (1, True), (2, True), (2, False)], ids=str)
+def test_every_activation_kernel_variant_compiles_for_hopper(act, colsum, x_dtype):
+    if INTERPRET:
+        pytest.skip("the interpreter does not compile")
+    pytest.importorskip("triton")
+    from te_func.kernels import cast
+    signature = {"x_ptr": "*" + x_dtype, "y_ptr": "*" + x_dtype, "v_ptr": "*" + x_dtype, "amax_bits_ptr": "*i32",
+                 "colsum_ptr": "*fp32", "M": "i32", "N": "i32"}
+    ptx = _compile_for_hopper(cast._activation_kernel, signature, {"ACT": act, "COLSUM": colsum,
+                                                                   "BLOCK_M": cast.ACT_TILE_M,
+                                                                   "BLOCK_N": cast.ACT_TILE_N})
+    assert "atom" in ptx and (x_dtype != "bf16" or "cvt.rn.bf16" in ptx)   # rounded to nearest even

@@ -225,7 +225,7 @@ def test_activation_and_its_backward_match_float64_formulas(name, params):
     assert activation_forward(act, h32).dtype == torch.float32
     assert sqnr(ref_act(name, h.detach(), params=params), activation_forward(act, h32)) > 120
     assert sqnr(want, activation_backward(act, dy.float(), h32)) > 110
-    # bf16 (torch's kernels for gelu, relu and silu, the formulas for the rest): fp32 math and one
+    # bf16 (torch's kernels for relu and silu, the formulas for the rest): fp32 math and one
     # rounding, so within one bf16 step of the float64 result on the same (rounded) inputs; atol
     # for where fp32's 1 + tanh cancels (gelu far left, times a gate: measured up to 2.6e-6)
     hb, dyb = h.detach().bfloat16(), dy.bfloat16()

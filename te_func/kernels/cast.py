@@ -1,9 +1,16 @@
 """Triton kernels of the tensor-wise FP8 cast: amax in one pass, then one pass that
 writes the cast and, optionally, its transpose.
 
+And the GELU (tanh) or its input gradient with the amax and the column sums
+(fc1's bias gradient) of the result in the same pass, so that LayerNormMLP's
+activation output and fc1's output gradient take two passes to their FP8
+casts, as TE's fused activation kernels do: one computing the activation (whose
+tanh sets the pace), one casting it.
+
 Imported only by te_func.kernels.dispatch, and only once Triton is known to import.
-Every formula mirrors te_func.quant (scheme.scale_from_amax, tensor._cast) bit for
-bit; that torch code is the reference the tests compare against.
+Every formula mirrors te_func.quant (scheme.scale_from_amax, tensor._cast) and
+te_func.ops.activations (the GELU's formulas) bit for bit; that torch code is the
+reference the tests compare against.
 
 Indices are int32: callers keep numel below 2**31 - 2**24.
 """
@@ -14,15 +21,90 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)   # largest finite fp32
 AMAX_BLOCK = 4096
 TILE_M, TILE_N = 128, 64      # rows x cols of x per program of the cast
+ACT_TILE_M, ACT_TILE_N = 32, 128   # ... of the activation (its column sums' order depends on ACT_TILE_M)
 # dtype -> (Triton type, mantissa bits, exponent bias)
 _FP8 = {torch.float8_e4m3fn: (tl.float8e4nv, 3, 7), torch.float8_e5m2: (tl.float8e5, 2, 15)}
+# The activations `_activation_kernel` computes: gelu(x), or x * gelu'(y) (x: the gradient
+# of the GELU's output, y: its input); `activation` takes them by name.
+ACT_GELU, ACT_DGELU = tl.constexpr(1), tl.constexpr(2)
+ACTIVATIONS = {"gelu": ACT_GELU.value, "gelu_backward": ACT_DGELU.value}
+# te_func.ops.activations' GELU constants as torch rounds them to fp32: sqrt(2 / pi), 0.044715
+# and 3 * 0.044715 (a Python product, then rounded).
+K_SQRT_2_PI = tl.constexpr(0.7978845834732056)
+K_CUBE = tl.constexpr(0.044714998453855515)
+K_3CUBE = tl.constexpr(0.13414500653743744)
 # Round by integer arithmetic (_round_to_fp8_bits) instead of the hardware conversion:
 # always in Triton's interpreter, whose FP8 casts do not round to nearest even.
 SOFT_ROUND = os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TE_FUNC_CAST_SOFT_ROUND") == "1"
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _tanh(x):
+    if INTERPRETED:     # Triton's interpreter has no libdevice (its results are not bit-exact anyway)
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+    else:
+        return libdevice.tanh(x)     # CUDA's tanhf, which torch's kernels call
+
+
+@triton.jit
+def _gelu(x):
+    # te_func.ops.activations._gelu, op for op in fp32 (launched without FMA contraction, as
+    # torch runs each op as its own rounded kernel).
+    t = _tanh(K_SQRT_2_PI * (x + K_CUBE * (x * x * x)))
+    return (0.5 * x) * (1.0 + t)
+
+
+@triton.jit
+def _gelu_backward(dy, x):
+    # dy * te_func.ops.activations._dgelu(x), op for op in fp32 (no FMA contraction either).
+    t = _tanh(K_SQRT_2_PI * (x + K_CUBE * (x * x * x)))
+    left = 0.5 * (1.0 + t)
+    right = ((0.5 * x) * (1.0 - t * t)) * K_SQRT_2_PI * (1.0 + (K_3CUBE * x) * x)
+    return dy * (left + right)
+
+
+@triton.jit
+def _round_to(v, dtype: tl.constexpr):
+    """fp32 v rounded to `dtype` (to nearest even), back in fp32."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        # The interpreter's fp32 -> bf16 conversion truncates: round by the bits.
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _activation_kernel(x_ptr, y_ptr, v_ptr, amax_bits_ptr, colsum_ptr, M, N, ACT: tl.constexpr,
+                       COLSUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """v = gelu(x) (ACT_GELU) or x * gelu'(y) (ACT_DGELU), x and y (M, N) contiguous, written in x's
+    dtype (the formulas' fp32 result rounded once), with max |v| recorded into amax_bits_ptr (as `_amax_kernel`)
+    and, with COLSUM, each tile's column sums of v (fp32) in row pid_m of colsum_ptr
+    (cdiv(M, BLOCK_M), N), which the caller adds up in a fixed order."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None] * N + rn[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if ACT == ACT_GELU:
+        v = _gelu(x.to(tl.float32))
+    else:
+        v = _gelu_backward(x.to(tl.float32), tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+    v = _round_to(v, x.dtype)           # 0 where masked off: act(0) = 0
+    tl.store(v_ptr + offs, v.to(x.dtype), mask=mask)
+    a = tl.where(v != v, 0.0, tl.abs(v))
+    tl.atomic_max(amax_bits_ptr, tl.max(tl.max(a.to(tl.int32, bitcast=True), axis=1), axis=0))
+    if COLSUM:
+        tl.store(colsum_ptr + pid_m * N + rn, tl.sum(v, axis=0), mask=rn < N)
 
 
 @triton.jit
@@ -129,12 +211,16 @@ def amax_bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def cast(x2d: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_epsilon: float, power_2_scale: bool,
-         scale: torch.Tensor | None, with_transpose: bool):
+         scale: torch.Tensor | None, with_transpose: bool, amax: torch.Tensor | None = None):
     """Tensor-wise FP8 cast of a contiguous (M, N) x: (data (M, N), data_t (N, M) or None,
     scale_inv (), amax bits (1,) int32). `scale` given: delayed scaling (amax recorded
-    in the same pass); None: current scaling (amax first, then the scale from it)."""
+    in the same pass); None: current scaling (the amax first, unless `amax` (bits, as
+    `amax_bits` returns) has it, then the scale from it)."""
     m, n = x2d.shape
-    bits = torch.zeros(1, dtype=torch.int32, device=x2d.device) if scale is not None else amax_bits(x2d)
+    if scale is not None:
+        bits = torch.zeros(1, dtype=torch.int32, device=x2d.device) if amax is None else amax
+    else:
+        bits = amax_bits(x2d) if amax is None else amax
     data = torch.empty((m, n), dtype=dtype, device=x2d.device)
     data_t = torch.empty((n, m), dtype=dtype, device=x2d.device) if with_transpose else None
     scale_inv = torch.empty((), dtype=torch.float32, device=x2d.device)
@@ -145,3 +231,18 @@ def cast(x2d: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_epsilon: fl
                        FP8=fp8, MANTISSA=mantissa, BIAS=bias, SOFT_ROUND=SOFT_ROUND, GIVEN_SCALE=scale is not None,
                        POW2=power_2_scale, WRITE_T=with_transpose, BLOCK_M=TILE_M, BLOCK_N=TILE_N, num_warps=8)
     return data, data_t, scale_inv, bits
+
+
+def activation(x2d: torch.Tensor, y2d: torch.Tensor | None, act: str, column_sums: bool):
+    """The activation `act` (a key of ACTIVATIONS) of a contiguous (M, N) x (and y2d, the GELU's
+    input, for "gelu_backward"): (v (M, N) in x's dtype, max |v| as `amax_bits` returns it, v's
+    column sums (N,) fp32 or None)."""
+    m, n = x2d.shape
+    v = torch.empty_like(x2d)
+    bits = torch.zeros(1, dtype=torch.int32, device=x2d.device)
+    grid = (triton.cdiv(m, ACT_TILE_M), triton.cdiv(n, ACT_TILE_N))
+    partial = torch.empty((grid[0], n), dtype=torch.float32, device=x2d.device) if column_sums else bits
+    _activation_kernel[grid](x2d, x2d if y2d is None else y2d, v, bits, partial, m, n, ACT=ACTIVATIONS[act],
+                             COLSUM=column_sums, BLOCK_M=ACT_TILE_M, BLOCK_N=ACT_TILE_N, num_warps=4,
+                             enable_fp_fusion=False)
+    return v, bits, partial.sum(0) if column_sums else None

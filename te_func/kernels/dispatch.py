@@ -1,10 +1,17 @@
 """When the fused Triton cast runs instead of te_func.quant's torch code.
 
 The kernels run on CUDA, eagerly, on plain tensors. Everywhere else the torch
-path runs: on CPU; under torch.compile (inductor fuses the torch path itself,
-and the kernels are no traceable ops); under torch.func.vmap (the torch path
-takes one amax per sample); for other dtypes, empty or non-contiguous tensors.
-Results are bit-identical either way, so the choice never changes numerics.
+path runs: on CPU; under torch.compile (inductor fuses the torch path itself);
+under torch.func.vmap (the torch path takes one amax per sample); for other
+dtypes, empty or non-contiguous tensors. Results are bit-identical either way,
+so the choice never changes numerics.
+
+`activation` computes LayerNormMLP's GELU, or its input gradient, with the amax
+(and the column sums: fc1's bias gradient) on the way, so that its cast takes
+one more pass instead of two, as TE's fused activation kernels do. Under
+torch.compile the torch path runs there too: inductor fuses the GELU's formulas
+into the casts' passes itself, which measured faster on an H200 than calling
+these kernels from the graph as custom ops (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ import os
 import torch
 from torch._C import _functorch
 
-__all__ = ["cast_kernels_available", "set_cast_kernels", "tensorwise_cast"]
+__all__ = ["activation", "cast_kernels_available", "set_cast_kernels", "tensorwise_cast"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_NUMEL = 2**31 - 2**24     # int32 indexing in the kernels
@@ -79,13 +86,16 @@ def _applies(x: torch.Tensor) -> bool:
 
 
 def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_epsilon: float,
-                    power_2_scale: bool, scale: torch.Tensor | None, with_transpose: bool):
+                    power_2_scale: bool, scale: torch.Tensor | None, with_transpose: bool,
+                    amax: torch.Tensor | None = None):
     """The tensor-wise FP8 cast of x by the fused kernels, or None where they do not apply.
 
     x: any shape (2-D with `with_transpose`). `scale` (): delayed scaling's given scale;
-    None: current scaling (scale from amax, `amax_epsilon`, `power_2_scale`).
+    None: current scaling (scale from amax, `amax_epsilon`, `power_2_scale`). `amax` (): x's
+    amax where its producer took it on the way (`activation`); current scaling then skips
+    its amax pass.
     Returns (data (x.shape), data_t (cols, rows) or None, scale_inv (), amax ()),
-    amax meaningful only with `scale` given (current scaling keeps none).
+    amax meaningful only with `scale` or `amax` given (current scaling keeps none).
     """
     if not _applies(x) or (with_transpose and x.dim() != 2):
         return None
@@ -97,12 +107,37 @@ def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_ep
     with torch._C._DisableFuncTorch():
         x_plain = _plain(x)
         scale_plain = None if scale is None else _plain(scale)
-        if x_plain is None or not x_plain.is_contiguous() or (scale is not None and scale_plain is None):
+        amax_plain = None if amax is None else _plain(amax)
+        if x_plain is None or not x_plain.is_contiguous() or (scale is not None and scale_plain is None) \
+                or (amax is not None and amax_plain is None):
             return None
         if scale_plain is not None:
             scale_plain = scale_plain.float().contiguous()
+        bits = None if amax_plain is None else amax_plain.float().reshape(1).view(torch.int32).clone()
         data, data_t, scale_inv, bits = kernels.cast(x_plain.reshape(-1, x.shape[-1]) if x.dim() else
                                                      x_plain.reshape(1, 1), dtype, fp8_max, amax_epsilon,
-                                                     power_2_scale, scale_plain, with_transpose)
+                                                     power_2_scale, scale_plain, with_transpose, amax=bits)
         calls["fused"] += 1
         return data.reshape(x.shape), data_t, scale_inv, bits.view(torch.float32).reshape(())
+
+
+def activation(x: torch.Tensor, act: str, y: torch.Tensor | None = None, column_sums: bool = False):
+    """An activation by the fused kernel, with its amax and column sums taken on the way, or
+    None where the kernel does not apply.
+
+    act: "gelu" (v = gelu(x), tanh approximation) or "gelu_backward" (v = x * gelu'(y), x being
+    the gradient of the GELU's output and y its input, of x's shape and dtype). x: 2-D.
+    Returns (v in x's dtype, the same bits as te_func.ops.activations' formulas; max |v| ()
+    fp32, NaN skipped; v.sum(0) in x's dtype, or None without `column_sums`).
+    """
+    if x.dim() != 2 or (y is not None and (y.shape != x.shape or y.dtype != x.dtype)) or not _applies(x) \
+            or _cast_module() is None:
+        return None
+    with torch._C._DisableFuncTorch():
+        x_plain, y_plain = _plain(x), None if y is None else _plain(y)
+        if x_plain is None or (y is not None and y_plain is None):
+            return None
+        v, bits, sums = _cast_module().activation(x_plain.contiguous(), None if y_plain is None else
+                                                  y_plain.contiguous(), act, column_sums)
+        calls["fused"] += 1
+        return v, bits.view(torch.float32).reshape(()), None if sums is None else sums.to(x.dtype)

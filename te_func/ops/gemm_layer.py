@@ -79,33 +79,35 @@ class GemmConfig:
 
 
 def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: GemmConfig,
-                 x_state: DelayedState | BatchAmax | None = None):
+                 x_state: DelayedState | BatchAmax | None = None, x_amax: torch.Tensor | None = None):
     """x (tokens, in) @ w (out, in).T + bias -> (out (tokens, out), x's cast, x.T's cast or None, new x state).
 
     The cast of x.T (blocks along tokens, what the weight-gradient GEMM reads) is made
     when backward needs it, in the same pass as x's where the scheme allows. With
     cfg.weight_only x is not quantized (both casts None, the state as it was).
+    x_amax: max |x| where x's producer took it (te_func.quant.quantize_scheme's `amax`).
     """
     if cfg.weight_only:
         out = weight_only_gemm(x, w)
         return (out if bias is None else out + bias.to(out.dtype)), None, None, x_state
     if cfg.save_input and cfg.backward_override is None:
-        xq, xq_t, new_state = quantize_with_transpose(x, cfg.input, x_state)
+        xq, xq_t, new_state = quantize_with_transpose(x, cfg.input, x_state, x_amax)
     else:
-        (xq, new_state), xq_t = quantize_scheme(x, cfg.input, x_state), None
+        (xq, new_state), xq_t = quantize_scheme(x, cfg.input, x_state, x_amax), None
     out = gemm(xq, w, x.dtype, fast_accum=cfg.fast_accum[0])
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out, xq, xq_t, new_state
 
 
-def quantize_grad(grad_out: torch.Tensor, cfg: GemmConfig, with_transpose: bool, g_state=None):
+def quantize_grad(grad_out: torch.Tensor, cfg: GemmConfig, with_transpose: bool, g_state=None,
+                  amax: torch.Tensor | None = None):
     """The output gradient's casts for the backward GEMMs: (gq, gq_t (the cast of grad_out.T, for
-    the weight gradient) or None, new grad state)."""
+    the weight gradient) or None, new grad state). amax: as `forward_gemm`'s x_amax."""
     if not with_transpose:          # input gradient only: one cast, along out_features
-        gq, new_state = quantize_scheme(grad_out, cfg.grad, g_state)
+        gq, new_state = quantize_scheme(grad_out, cfg.grad, g_state, amax)
         return gq, None, new_state
-    return quantize_with_transpose(grad_out, cfg.grad, g_state)
+    return quantize_with_transpose(grad_out, cfg.grad, g_state, amax)
 
 
 def backward_gemms(gq: Quantized, gq_t: Quantized | None, w_t: Quantized | None, xq_t: Quantized | None,
@@ -218,11 +220,13 @@ class GemmSlot:
             return None if state is None else state.with_record(outputs[self._n(name)])
         return after(x_state, "new_x_record"), after(g_state, "new_g_record")
 
-    def forward(self, t: dict, x: torch.Tensor, bias: torch.Tensor | None):
-        """x (tokens, in) -> (out (tokens, out) in x's dtype, this slot's outputs by name)."""
+    def forward(self, t: dict, x: torch.Tensor, bias: torch.Tensor | None, x_amax: torch.Tensor | None = None):
+        """x (tokens, in) -> (out (tokens, out) in x's dtype, this slot's outputs by name).
+        x_amax: max |x| where x's producer took it (`forward_gemm`)."""
         n, cfg = self._n, self.cfg
         w = Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block, t[n("w_amax")])
-        out, xq, xq_t, new_x = forward_gemm(x, w, bias, cfg, _state(cfg.input, t[n("x_record")], t[n("x_scale")]))
+        out, xq, xq_t, new_x = forward_gemm(x, w, bias, cfg, _state(cfg.input, t[n("x_record")], t[n("x_scale")]),
+                                            x_amax)
         saved = (None, None, None)
         if cfg.save_input:
             saved = {None: (None, None, None) if xq_t is None else (xq_t.data, xq_t.scale_inv, xq_t.global_amax),
@@ -239,9 +243,11 @@ class GemmSlot:
         """grad_out (tokens, out) -> (dx (tokens, in) or None, dw or None, {g_sink's name: its gradient})."""
         return self.backward_gemms(s, self.backward_cast(s, grad_out, need_dx, ctx), dx_dtype, ctx)
 
-    def backward_cast(self, s: dict, grad_out: torch.Tensor, need_dx: bool, ctx) -> GradCasts:
+    def backward_cast(self, s: dict, grad_out: torch.Tensor, need_dx: bool, ctx,
+                      amax: torch.Tensor | None = None) -> GradCasts:
         """`backward`'s first half: grad_out quantized once for the GEMMs that will run. A caller
-        holding no other reference to grad_out lets it go before the GEMMs (eager's peak memory)."""
+        holding no other reference to grad_out lets it go before the GEMMs (eager's peak memory).
+        amax: max |grad_out| where its producer took it (`forward_gemm`'s x_amax)."""
         n, cfg = self._n, self.cfg
         need_dw = ctx.need[self.weight]
         if need_dw and s[n("x_saved")] is None:
@@ -258,7 +264,7 @@ class GemmSlot:
                 g_state = DelayedState(torch.zeros_like(g_state.amax_history), g_state.scale)
         if not (need_dx or need_dw):
             return GradCasts(need_dx, need_dw, new_g=g_state)
-        return GradCasts(need_dx, need_dw, *quantize_grad(grad_out, cfg, need_dw, g_state))
+        return GradCasts(need_dx, need_dw, *quantize_grad(grad_out, cfg, need_dw, g_state, amax))
 
     def backward_gemms(self, s: dict, casts: GradCasts, dx_dtype: torch.dtype | None, ctx):
         """`backward`'s second half: (dx or None, dw or None, {g_sink's name: its gradient})."""

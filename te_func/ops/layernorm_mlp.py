@@ -4,7 +4,9 @@ What backward keeps, as TE: the input, mean and rsigma (norm backward), the
 normalized output's FP8 cast along tokens (fc1 weight gradient), fc1's
 output in high precision (activation backward) and the activation output's
 FP8 cast along tokens (fc2 weight gradient). Each GEMM input is quantized
-once; all four backward GEMMs run in FP8.
+once; all four backward GEMMs run in FP8. On a GPU the activation and its
+gradient are fused kernels that take their amaxes (and fc1's bias gradient) on
+the way, so their casts need no amax pass (te_func.ops.activations).
 
 Under DelayedScaling each GEMM has its own states: fc1's input is the
 normalized output and its grad the gradient of fc1's output (after the
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import Activation, activation_backward, activation_forward
+from .activations import Activation, activation_grad_with_sums, activation_with_amax
 from .gemm_layer import GemmSlot
 from .normalization import NormConfig, norm_backward, norm_forward
 
@@ -50,8 +52,8 @@ class LayerNormMLPFP8:
         ln_out = y.to(x.dtype)                                                  # (tokens, hidden)
         del y           # fp32: gone before the GEMMs (eager's peak memory)
         fc1_out, fc1_state = self.fc1.forward(t, ln_out, t["fc1_bias"])         # (tokens, fc1 width)
-        act_out = activation_forward(self.activation, fc1_out)                  # (tokens, ffn)
-        out, fc2_state = self.fc2.forward(t, act_out, t["fc2_bias"])            # (tokens, hidden)
+        act_out, act_amax = activation_with_amax(self.activation, fc1_out)     # (tokens, ffn)
+        out, fc2_state = self.fc2.forward(t, act_out, t["fc2_bias"], act_amax)  # (tokens, hidden)
         return {"out": out, "ln_out": ln_out, "mean": mean, "rsigma": rsigma, "fc1_out": fc1_out,
                 **fc1_state, **fc2_state}
 
@@ -63,12 +65,13 @@ class LayerNormMLPFP8:
         out = {"fc2_weight": dw2, "fc2_bias": ctx.cast("fc2_bias", g.sum(0)), **sink2}
         if not need_dfc1:
             return out
-        dfc1 = activation_backward(self.activation, dact, s["fc1_out"])       # (tokens, fc1 width)
+        dfc1, dfc1_amax, dfc1_sum = activation_grad_with_sums(self.activation, dact, s["fc1_out"],
+                                                              need["fc1_bias"])    # (tokens, fc1 width)
         # The (tokens, ffn) gradients go as soon as they are used (eager's peak memory): dact
-        # here, dfc1 once its bias sum and FP8 casts are made, before fc1's backward GEMMs.
+        # here, dfc1 once its FP8 casts are made, before fc1's backward GEMMs.
         del dact
-        out["fc1_bias"] = ctx.cast("fc1_bias", dfc1.sum(0))
-        casts = self.fc1.backward_cast(s, dfc1, need_dln, ctx)
+        out["fc1_bias"] = ctx.cast("fc1_bias", dfc1_sum)
+        casts = self.fc1.backward_cast(s, dfc1, need_dln, ctx, dfc1_amax)
         del dfc1
         dln, dw1, sink1 = self.fc1.backward_gemms(s, casts, ctx.dtype["x"], ctx)
         del casts

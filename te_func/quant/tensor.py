@@ -146,6 +146,10 @@ def _blocked(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return x.reshape((rows + pr) // br, br, (cols + pc) // bc, bc)
 
 
+def _amax(x: torch.Tensor, known: torch.Tensor | None) -> torch.Tensor:
+    return amax_of(x) if known is None else known
+
+
 def _may_be_nonzero(n) -> bool:
     # A size torch.compile keeps symbolic (a routed group's token count) is not branched
     # on: a branch would guard on its value and recompile for every new routing.
@@ -180,13 +184,14 @@ def record_amax(state: DelayedState, amax: torch.Tensor) -> DelayedState:
     return DelayedState(torch.cat([torch.maximum(history[:1], amax.reshape(1)), history[1:]]), state.scale)
 
 
-def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | None, with_transpose: bool):
+def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | None, with_transpose: bool,
+                amax: torch.Tensor | None = None):
     """A tensor-wise cast by te_func.kernels (eager CUDA; bit-identical to the torch code
     below): (q, q of x.T or None, new_state), or None where the kernels do not apply."""
     if (s.rule == "delayed") != (state is not None):
         return None     # delayed without its state (an error below), or current with a batch amax
     out = tensorwise_cast(x, s.dtype, s.fp8_max, s.amax_epsilon, s.power_2_scale,
-                          state.scale if s.rule == "delayed" else None, with_transpose)
+                          state.scale if s.rule == "delayed" else None, with_transpose, amax)
     if out is None:
         return None
     data, data_t, scale_inv, amax = out
@@ -232,7 +237,7 @@ def _quantize_nvfp4(x: torch.Tensor, s: Scheme, rng: torch.Tensor | None, stream
     return Quantized(nvfp4.pack_e2m1(codes), scale, s.block, amax, v.shape[1])
 
 
-def quantize_scheme(x: torch.Tensor, s: Scheme, state=None):
+def quantize_scheme(x: torch.Tensor, s: Scheme, state=None, amax: torch.Tensor | None = None):
     """Quantize `x` by scheme `s`. Returns (Quantized, new_state).
 
     state: the role's DelayedState under delayed scaling (new_state: `state` with this
@@ -240,6 +245,9 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state=None):
     (new_state: the batch's amax, unless this tensor's is larger); NVFP4 with stochastic
     rounding: the RNG state, int64 (seed, counter) (new_state: the next one,
     te_func.quant.nvfp4.advance_rng); else None.
+    amax: max |x| () fp32, NaN skipped, where x's producer took it on the way
+    (te_func.kernels.activation): a tensor-wise scheme uses it instead of a pass over x;
+    block schemes take theirs per block.
     """
     if s.nvfp4:
         return _quantize_nvfp4(x, s, state, 0), None if state is None else nvfp4.advance_rng(state)
@@ -248,20 +256,20 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state=None):
             raise ValueError("DelayedScaling needs its state (amax history and scale): call the "
                              "layer through tef.functional_call / tef.Stateful with workspaces "
                              "from tef.init_workspaces(model, recipe)")
-        fused = _fused_cast(x, s, state, with_transpose=False)
+        fused = _fused_cast(x, s, state, False, amax)
         if fused is not None:
             return fused[0], fused[2]
         if s.rule == "delayed":
             # A forward-only state (te_func.freeze) reads no amax: the reduction would be wasted.
-            recorded = state if state.amax_history is None else record_amax(state, amax_of(x))
+            recorded = state if state.amax_history is None else record_amax(state, _amax(x, amax))
             scale, new_state = state.scale, recorded
         elif state is not None:     # batch scope (BatchAmax)
-            amax = torch.maximum(state.amax, amax_of(x))
-            scale = (scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale) if state.scale is None
+            batch_amax = torch.maximum(state.amax, _amax(x, amax))
+            scale = (scale_from_amax(batch_amax, s.fp8_max, s.amax_epsilon, s.power_2_scale) if state.scale is None
                      else state.scale)
-            new_state = state.with_record(amax)
+            new_state = state.with_record(batch_amax)
         else:
-            scale, new_state = scale_from_amax(amax_of(x), s.fp8_max, s.amax_epsilon, s.power_2_scale), None
+            scale, new_state = scale_from_amax(_amax(x, amax), s.fp8_max, s.amax_epsilon, s.power_2_scale), None
         return cast_with_scale(x, scale, s), new_state
 
     if state is not None:
@@ -305,18 +313,19 @@ def transpose(q: Quantized) -> Quantized:
     return Quantized(q.data.t().clone(memory_format=torch.contiguous_format), scale_inv, q.block)
 
 
-def quantize_with_transpose(x: torch.Tensor, s: Scheme, state=None):
+def quantize_with_transpose(x: torch.Tensor, s: Scheme, state=None, amax: torch.Tensor | None = None):
     """Both copies a GEMM layer needs of a 2-D `x`: blocks along its rows and along its
     columns. Returns (q, q_t, new_state), q_t being the cast of x.T (under NVFP4 with
-    the Hadamard transform, of its transform along x's rows: te_func.quant.nvfp4)."""
+    the Hadamard transform, of its transform along x's rows: te_func.quant.nvfp4).
+    amax: as `quantize_scheme`'s."""
     if s.nvfp4:
         q = _quantize_nvfp4(x, s, state, 0)
         q_t = transpose(q) if s.transposable else _quantize_nvfp4(x.t(), s, state, 1, hadamard=s.hadamard)
         return q, q_t, None if state is None else nvfp4.advance_rng(state)
-    fused = _fused_cast(x, s, state, with_transpose=True) if s.block is None else None
+    fused = _fused_cast(x, s, state, True, amax) if s.block is None else None
     if fused is not None:     # one pass writes both copies
         return fused
-    q, new_state = quantize_scheme(x, s, state)
+    q, new_state = quantize_scheme(x, s, state, amax)
     if s.transposable:
         return q, transpose(q), new_state
     q_t, _ = quantize_scheme(x.t(), s, None)
