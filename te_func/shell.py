@@ -175,10 +175,11 @@ class Stateful(nn.Module):
     def workspaces(self) -> dict:
         """The current workspace dict: keyed by module path, as tef.init_workspaces makes it."""
         # A compiled call's backward leaves its amaxes in the inboxes and tells nobody when it
-        # ran without computing a GEMM weight's gradient (autograd.grad(loss, [x])): merged
-        # here. Not under amax reduction, where a merge is a collective that a read on one rank
-        # alone would hang: there they wait for the next call (docs/stateful.md). Inside a
-        # compiled graph the call merges them itself (forward).
+        # ran without computing the gradient of a GEMM weight the shell watches (autograd.grad(
+        # loss, [x]); under FSDP, whose gathered weights get the gradients, any backward):
+        # merged here. Not under amax reduction, where a merge is a collective that a read on
+        # one rank alone would hang: there they wait for the next call (docs/stateful.md).
+        # Inside a compiled graph the call merges them itself (forward).
         if self._amax_reduction is None and not torch.compiler.is_compiling():
             self._merge_pending()
         return self._workspaces
