@@ -7,7 +7,6 @@ PyTorch module (`shell(x)`, `loss.backward()`, `optimizer.step()`).
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 
 import torch
@@ -25,78 +24,98 @@ __all__ = ["Stateful"]
 _WS = "workspaces."
 
 
-def _absorb(shell_ref, key: str, amax: torch.Tensor):
-    """Merge a backward amax ((L,), zero but for slot 0) into the shell's history `key` by max.
-    The shell is held weakly: a dropped shell is freed, however many graphs saw it."""
+# --- backward amaxes: inboxes -----------------------------------------------------------------
+# Under DelayedScaling each GEMM's backward computes its output gradient's amax, which belongs
+# in the current slot of the shell's grad history of that GEMM. Backwards leave it in the
+# history's inbox (a private buffer of the shell, shaped like the history), by max; the shell
+# merges each inbox into its history, by max, and empties it: when a backward that it hears of
+# ends, when the workspaces are read, and at the start of every call, before the frame updates
+# and rolls the histories: an amax always lands in the slot that was current when its backward
+# ran.
+
+@torch.library.custom_op("te_func::merge_inboxes", mutates_args=())
+def _merge_inboxes(histories: list[torch.Tensor], inboxes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """max(history, inbox) of each pair ((L,) fp32 each), leaving the inboxes zero.
+
+    Declared as not mutating the inboxes, on purpose: torch.compile would otherwise hand a
+    compiled backward each inbox as the compiled forward left it (zeros), and that backward's
+    max would overwrite what other backwards put in the inbox since (and fail autograd's
+    version check). Opaque to the compiler, the emptying leaves the inboxes untouched as far
+    as AOTAutograd knows, so a compiled backward reads and writes the live buffers."""
+    merged = [torch.maximum(h, inbox) for h, inbox in zip(histories, inboxes)]
+    for inbox in inboxes:
+        inbox.zero_()
+    return merged
+
+
+@_merge_inboxes.register_fake
+def _(histories, inboxes):
+    return [torch.empty_like(h) for h in histories]
+
+
+class _DeliverToInboxes(torch.autograd.Function):
+    """`_DeliverToInboxes.apply(*histories, *inboxes)` is `histories` ((L,) fp32 each), for the
+    ops that read them. Backward merges each history's gradient (the backward amax, zero but
+    for slot 0: te_func.ops.gemm_layer.backward_amax) into its inbox by max, in place, and
+    passes no gradient on. Inside a compiled graph this runs whatever the backward was asked
+    for: the graph is one autograd node, which autograd.grad(loss, params) runs as
+    loss.backward() does. One Function for all histories: dynamo traces each Function apply
+    at length."""
+
+    @staticmethod
+    def forward(*histories_and_inboxes):
+        histories = histories_and_inboxes[:len(histories_and_inboxes) // 2]
+        return tuple(h.view_as(h) for h in histories)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        # Kept on ctx, not saved for backward: saved tensors are version-checked, and other
+        # backwards and merges write the inboxes between this forward and its backward.
+        ctx.inboxes = inputs[len(inputs) // 2:]
+
+    @staticmethod
+    def backward(ctx, *amaxes):
+        for inbox, amax in zip(ctx.inboxes, amaxes):
+            inbox.copy_(torch.maximum(inbox, amax))
+        return (None,) * (2 * len(amaxes))
+
+
+def _deliver(shell_ref, key: str, amax: torch.Tensor):
+    """An eager call's backward amax ((L,), zero but for slot 0) for history `key`, from the op's
+    node: into the inbox by max. The shell is held weakly: a dropped shell is freed, however
+    many graphs saw it."""
     shell = shell_ref()
-    if shell is None or key not in shell.workspaces:
+    if shell is None or key not in shell._inboxes:
         return
-    shell._recorded.add(key)
-    amax = amax.detach().to(shell.workspaces[key].device)
-    if shell._amax_reduction is None:
-        ws = shell.workspaces
-        shell.workspaces = {**ws, key: torch.maximum(ws[key], amax)}
-        return
-    # Under amax reduction: all-reduced once this backward is over, every entry in one
-    # collective, as TE reduces after a backward.
-    if not shell._pending_amaxes:
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_absorb_reduced, shell_ref))
-    pending = shell._pending_amaxes
-    pending[key] = torch.maximum(pending[key], amax) if key in pending else amax
+    inbox = shell._inboxes[key]
+    inbox.copy_(torch.maximum(inbox, amax.detach().to(inbox.device)))
+    _merge_when_backward_ends(shell_ref)
 
 
-def _absorb_reduced(shell_ref):
+def _merge_when_backward_ends(shell_ref, grad=None):
+    # Also a tensor hook on each GEMM weight (grad: its gradient, left as it is): a backward that
+    # computes a weight's gradient went through its layer, whose amax may wait in an inbox.
     shell = shell_ref()
     if shell is None:
         return
-    pending, shell._pending_amaxes = shell._pending_amaxes, {}
-    ws = shell.workspaces
-    # Every rank reduces every grad history (zeros where its backward recorded nothing), so
-    # the collective is the same on all ranks.
-    amaxes = {k: pending.get(k, torch.zeros_like(ws[k])) for k in shell._backward_keys}
-    reduced = distributed.reduce_amax_slots(amaxes, shell._amax_reduction)
-    shell.workspaces = {**ws, **{k: torch.maximum(ws[k], v) for k, v in reduced.items()}}
+    task = torch._C._current_graph_task_id()
+    if shell._merge_queued_for != task:      # once per backward
+        shell._merge_queued_for = task
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_merge_now, shell_ref))
 
 
-def _weight_grad_seen(shell_ref, key: str, grad):
-    # A tensor hook on a GEMM weight: a backward computes its gradient, so the GEMM's backward
-    # ran and its amax should reach the shell before the backward ends (checked then).
+def _merge_now(shell_ref):
     shell = shell_ref()
     if shell is None:
         return
-    if not shell._expected:
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_check_recorded, shell_ref))
-    shell._expected.add(key)
-
-
-def _check_recorded(shell_ref):
-    shell = shell_ref()
-    if shell is None:
-        return
-    missing = sorted(shell._expected - shell._recorded)
-    shell._expected, shell._recorded = set(), set()
-    # Eager calls report their amaxes from the ops' own nodes, whatever the backward's inputs:
-    # only a compiled call's can be lost.
-    if missing and shell._compiled_call:
-        warnings.warn(
-            f"tef.Stateful: a backward computed the gradients of GEMM weights but DelayedScaling's backward "
-            f"amaxes of {missing} did not reach the shell, so the next step's gradient scales come from older "
-            f"history. torch.autograd.grad(loss, params) and loss.backward(inputs=...) over a compiled shell "
-            f"skip the leaves that carry those amaxes out of the compiled graph. Call loss.backward() (over "
-            f"all inputs) on a compiled shell, or run the shell uncompiled, or train through tef.grad / "
-            f"tef.value_and_grad, which return the amaxes with the workspaces", RuntimeWarning, stacklevel=2)
+    shell._merge_queued_for = None
+    shell._workspaces = shell._merged(shell._workspaces)
 
 
 def _remove_hooks(handles: list):
     for handle in handles:
         handle.remove()
     handles.clear()
-
-
-def _absorb_sink(shell_ref, key: str, sink: torch.Tensor):
-    if sink.grad is not None:
-        _absorb(shell_ref, key, sink.grad)
-        sink.grad = None
 
 
 _WEIGHTS_ONLY = ("the checkpoint has no workspace entries (workspaces.*): it holds weights only. Load it with "
@@ -127,10 +146,9 @@ class Stateful(nn.Module):
     a larger model, and `.to(device)` moves both.
 
     Under DelayedScaling, backward records the grad-output amaxes into
-    `shell.workspaces`, merged by max into the current step's slot: through
-    `loss.backward()`, `backward(inputs=...)` and `torch.autograd.grad` alike; over
-    a compiled shell through `loss.backward()` only (the others warn that the
-    amaxes were lost: docs/stateful.md).
+    `shell.workspaces`, merged by max into the current step's slot, whatever the
+    backward is asked for (`loss.backward()`, `backward(inputs=...)`,
+    `torch.autograd.grad`), eager or compiled: see docs/stateful.md for when.
 
     amax_group: with DelayedScaling(reduce_amax=True) under torch.distributed, the ranks
     whose amaxes are all-reduced, after each forward and each backward (None: the default
@@ -147,55 +165,87 @@ class Stateful(nn.Module):
         self.recipe = recipe
         self.amax_group = amax_group
         self._amax_reduction = distributed.amax_reduction_group(recipe, amax_group)
-        self._pending_amaxes = {}      # backward amaxes waiting for the all-reduce at the end of a backward
         self._pending_load = None
         self._set_workspaces(init_workspaces(model, recipe))
         self.register_load_state_dict_post_hook(_after_load)
 
-    # --- workspaces and the grad sinks --------------------------------------------------------
+    # --- workspaces, sinks and inboxes --------------------------------------------------------
+
+    @property
+    def workspaces(self) -> dict:
+        """The current workspace dict: keyed by module path, as tef.init_workspaces makes it."""
+        # A compiled call's backward leaves its amaxes in the inboxes and tells nobody when it
+        # ran without computing the gradient of a GEMM weight the shell watches (autograd.grad(
+        # loss, [x]); under FSDP, whose gathered weights get the gradients, any backward):
+        # merged here. Not under amax reduction, where a merge is a collective that a read on
+        # one rank alone would hang: there they wait for the next call (docs/stateful.md).
+        # Inside a compiled graph the call merges them itself (forward).
+        if self._amax_reduction is None and not torch.compiler.is_compiling():
+            self._merge_pending()
+        return self._workspaces
+
+    @workspaces.setter
+    def workspaces(self, ws: dict):
+        self._set_workspaces(ws)
 
     def _set_workspaces(self, ws: dict):
         mark_static(ws.values())
-        self.workspaces = ws
-        self._make_sinks()
+        self._workspaces = ws
+        self._make_sinks_and_inboxes()
 
-    def _make_sinks(self):
-        # Compiled calls: autograd's only way out of a compiled graph is a gradient, so each
-        # grad history is read as `entry + sink`, a zero leaf made here (outside the graph),
-        # whose gradient (the backward amax) a hook merges into self.workspaces. Eager calls
-        # hear of it from the op itself (see forward). The leaves live in a plain dict, not as
-        # parameters or buffers: no optimizer or state_dict sees them.
+    def _make_sinks_and_inboxes(self):
+        # Each op computes its backward amax only where its grad history requires grad. Eager
+        # calls make a leaf per call and hear of the amax from the op's node (see forward).
+        # Compiled calls read each grad history as `entry + sink` through _DeliverToInboxes: the
+        # sink is a zero leaf made here (outside the graph), the same each call, which never
+        # gets a gradient. Sinks and inboxes live in plain dicts, not as parameters or buffers:
+        # no optimizer or state_dict sees them.
         self._backward_keys = backward_keys(self.model, self.recipe)
-        self._sinks = {}
-        me = weakref.ref(self)
-        for key in self._backward_keys:
-            sink = torch.zeros_like(self.workspaces[key]).requires_grad_()
-            sink.register_post_accumulate_grad_hook(functools.partial(_absorb_sink, me, key))
-            self._sinks[key] = sink
-        self._watch_weights(me)
+        self._sinks = {k: torch.zeros_like(self._workspaces[k]).requires_grad_() for k in self._backward_keys}
+        self._inboxes = {k: torch.zeros_like(self._workspaces[k]) for k in self._backward_keys}
+        mark_static(self._inboxes.values())
+        # Whether a compiled call ran since the inboxes were made: its backward may fill them
+        # at any time later, so calls and reads merge them first.
+        self._compiled = False
+        self._merge_queued_for = None       # the backward (graph task id) whose end merges the inboxes
+        self._watch_weights(weakref.ref(self))
+
+    def _merge_pending(self):
+        """Merge what compiled calls' backwards left in the inboxes into the workspaces
+        (collective under amax reduction: every rank calls it)."""
+        if self._compiled:
+            self._workspaces = self._merged(self._workspaces)
+
+    def _merged(self, ws: dict) -> dict:
+        """`ws` with each inbox merged into its history by max (all-reduced under amax
+        reduction), the inboxes left empty."""
+        keys = self._backward_keys
+        merged = dict(zip(keys, _merge_inboxes([ws[k] for k in keys], [self._inboxes[k] for k in keys])))
+        # Slot 0 of each history, the same on every rank before the merge, all-reduced after
+        # it: max over the ranks of each rank's amaxes, as TE reduces after a backward.
+        return {**ws, **distributed.reduce_amax_slots(merged, self._amax_reduction)}
 
     def _watch_weights(self, me):
         # Each GEMM weight that trains tells the shell when a backward computes its gradient, so
-        # a backward whose amax never arrived (autograd.grad over a compiled shell) is reported
-        # (_check_recorded) rather than lost silently. Hooks are tensors' own: copies and
-        # pickles of the parameters drop them, and the copy's shell registers its own.
+        # that a compiled call's amaxes join the histories as that backward ends. Hooks are
+        # tensors' own: copies and pickles of the parameters drop them, and the copy's shell
+        # registers its own.
         hooks = getattr(self, "_weight_hooks", None)
         if hooks is None:
             hooks = self._weight_hooks = []
             # A dropped shell takes its hooks off the weights: the model may outlive it.
             weakref.finalize(self, _remove_hooks, hooks)
         _remove_hooks(hooks)
-        self._expected, self._recorded, self._compiled_call = set(), set(), False
-        for key, w in backward_weights(self.model, self.recipe).items():
+        for w in backward_weights(self.model, self.recipe).values():
             if isinstance(w, torch.Tensor) and w.requires_grad and w.is_leaf:
-                hooks.append(w.register_hook(functools.partial(_weight_grad_seen, me, key)))
+                hooks.append(w.register_hook(functools.partial(_merge_when_backward_ends, me)))
 
     def _watcher(self):
         me, keys = weakref.ref(self), set(self._backward_keys)
 
         def watch(entries: dict):
             for key in keys.intersection(entries):
-                on_backward(entries[key], functools.partial(_absorb, me, key))
+                on_backward(entries[key], functools.partial(_deliver, me, key))
         return watch
 
     def reset_workspaces(self):
@@ -206,23 +256,31 @@ class Stateful(nn.Module):
 
     def forward(self, *args, is_first_microbatch: bool | None = None, **kwargs):
         params = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        ws, watch = self.workspaces, None
+        ws, watch = self._workspaces, None
+        compiling = torch.compiler.is_compiling()
+        if self._backward_keys and (compiling or self._compiled):
+            # Amaxes that earlier backwards left in the inboxes go into the step they belong to,
+            # before this call's frame updates and rolls the histories. In a compiled call
+            # always: a Python flag read here would be one more guard, and one more graph.
+            ws = self._merged(ws)
         if torch.is_grad_enabled() and self._backward_keys:
-            if torch.compiler.is_compiling():
-                # The same leaves each call: run each microbatch's backward before the next forward.
-                ws = {**ws, **{k: ws[k] + sink for k, sink in self._sinks.items()}}
-                self._compiled_call = True      # its amaxes leave through the sinks only (_check_recorded)
+            if compiling:
+                # The op's amax leaves the graph through the inbox, whatever the backward's inputs.
+                keys = self._backward_keys
+                read = _DeliverToInboxes.apply(*(ws[k] + self._sinks[k] for k in keys),
+                                               *(self._inboxes[k] for k in keys))
+                ws = {**ws, **dict(zip(keys, read))}
+                self._compiled = True
             else:
                 # A leaf per call and a hook on each op's node: backwards may come in any order,
                 # and the op reports its amax even where autograd drops the leaf's gradient
                 # (autograd.grad(loss, params), backward(inputs=...)).
                 ws = {**ws, **{k: ws[k].detach().requires_grad_() for k in self._backward_keys}}
                 watch = self._watcher()
-                self._compiled_call = False
         out, new_ws = functional_call(self.model, params, ws, args, kwargs, recipe=self.recipe,
                                       is_first_microbatch=is_first_microbatch, amax_group=self.amax_group,
                                       _watch=watch)
-        self.workspaces = {**new_ws, **{k: new_ws[k].detach() for k in self._backward_keys}}
+        self._workspaces = {**new_ws, **{k: new_ws[k].detach() for k in self._backward_keys}}
         return out
 
     # --- modules around it: state_dict, copies, devices ---------------------------------------
@@ -285,16 +343,20 @@ class Stateful(nn.Module):
         return self
 
     def __getstate__(self):
-        # copy.deepcopy and pickle: the sinks' hooks cannot be copied; __setstate__ makes new ones.
+        # copy.deepcopy and pickle: the copy holds the workspaces as a read gives them, and
+        # __setstate__ makes its own sinks, inboxes and weight hooks (hooks cannot be copied).
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
-        state.pop("_sinks", None)
-        state.pop("_weight_hooks", None)
+        state["_workspaces"] = self.workspaces
+        for name in ("_sinks", "_inboxes", "_weight_hooks"):
+            state.pop(name, None)
         return state
 
     def __setstate__(self, state):
+        if "workspaces" in state:        # pickled by a te_func whose shell kept them under that name
+            state["_workspaces"] = state.pop("workspaces")
         super().__setstate__(state)
-        self._make_sinks()
+        self._make_sinks_and_inboxes()
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe!r}" + ("" if self.amax_group is None else f", amax_group={self.amax_group!r}")

@@ -338,19 +338,54 @@ def amax_reduction(rank, world):
         opt = torch.optim.AdamW(shell.parameters(), lr=1e-2)
         _train(shell, opt, rank, 3)
         out[name] = {k: v.clone() for k, v in shell.workspaces.items()}
+    out.update(_eager_and_compiled_backward_amaxes(rank))
+    return out
+
+
+def _eager_and_compiled_backward_amaxes(rank):
+    """An eager and a compiled shell (default group), fed alike: a backward over everything, one
+    over the input only (its amaxes wait in the compiled shell's inboxes), a distributed
+    checkpoint's state_dict, one more step. {"eager" / "compiled": {"checkpoint" / "final":
+    the workspaces then}}."""
+    out = {}
+    for name in ("eager", "compiled"):
+        shell = tef.Stateful(H.make_model(), RECIPES["delayed"])
+        call = shell if name == "eager" else torch.compile(shell, fullgraph=True, backend="aot_eager")
+        for step, how in enumerate(("backward()", "input only", "backward()")):
+            x, y = H.batch(step, rank)
+            x.requires_grad_()
+            loss = H.loss_fn(call(x, is_first_microbatch=True), y)
+            if how == "input only":
+                torch.autograd.grad(loss, [x])
+                saved = tef.distributed.state_dict(shell)["workspaces"]
+            else:
+                loss.backward()
+        out[name] = {"checkpoint": {k: v.clone() for k, v in saved.items()},
+                     "final": {k: v.clone() for k, v in shell.workspaces.items()}}
     return out
 
 
 def test_delayed_amaxes_are_reduced_over_the_amax_group():
     """reduce_amax=True over an explicit group (a 1-D DeviceMesh): all ranks hold the same histories
     and scales; reduce_amax=False: each rank its own input and gradient histories (the weight's,
-    cast whole on every rank, agree)."""
+    cast whole on every rank, agree). A compiled shell's backward amaxes are reduced as an eager
+    shell's."""
     r0, r1 = H.run_ranks(amax_reduction, 2)
     assert H.same(r0["mesh"], r1["mesh"]) == []
     differ = H.same(r0["none"], r1["none"])
     assert differ and all(re.search(r"(input|grad)_(amax_history|scale)$", k) for k in differ), differ
     assert any(k.endswith("input_amax_history") for k in differ) and any(k.endswith("grad_amax_history")
                                                                          for k in differ)
+    # A compiled shell's backward amaxes, whether they join the histories as a backward ends (over
+    # everything) or wait for the next call or a distributed checkpoint (over the input only), are
+    # all-reduced as an eager shell's: bit for bit the eager shell's workspaces, on every rank.
+    for res in (r0, r1):
+        for when in ("checkpoint", "final"):
+            assert H.same(res["compiled"][when], res["eager"][when]) == [], when
+    assert H.same(r0["compiled"]["final"], r1["compiled"]["final"]) == []
+    final = r0["compiled"]["final"]
+    grad = [final[k] for k in final if k.endswith("grad_amax_history")]
+    assert grad and all(int((h > 0).sum()) == 3 for h in grad)         # three steps, each in its own slot
 
 
 def test_amax_group_without_a_process_group_is_refused():

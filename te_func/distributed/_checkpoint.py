@@ -53,6 +53,9 @@ def state_dict(shell, optimizer=None) -> dict:
         sd = {"model": get_model_state_dict(shell.model)}
     else:
         sd = dict(zip(("model", "optim"), get_state_dict(shell.model, optimizer)))
+    # Backward amaxes a compiled call left waiting (under amax reduction, for the next call: a
+    # read merges none) join the histories here, all-reduced: this function is collective.
+    shell._merge_pending()
     ws = dict(shell.workspaces)
     per_rank = _per_rank_keys(shell)
     if per_rank:
