@@ -176,6 +176,33 @@ def test_compiled_train_step_on_cuda_equals_eager(cuda, recipe):
                 assert torch.allclose(w_c[k], w_e[k], rtol=1e-2), k
 
 
+@pytest.mark.parametrize("how", ["backward()", "autograd.grad"])
+def test_compiled_stateful_on_cuda_records_the_backward_amaxes_of_the_eager_shell(cuda, how):
+    """torch.compile(tef.Stateful) under DelayedScaling with inductor on the GPU: two steps of two
+    microbatches leave the amax histories the eager shell leaves; fc2's output gradient is the
+    given one in both, so its history is bit-equal, fc1's (through inductor's GELU backward)
+    close."""
+    torch._dynamo.reset()
+    recipe = DelayedScaling(amax_history_len=4)
+    model = tef.nn.LayerNormMLP(256, 512, params_dtype=torch.bfloat16, device=cuda)
+    eager, shell = tef.Stateful(copy.deepcopy(model), recipe), tef.Stateful(model, recipe)
+    compiled = torch.compile(shell, fullgraph=True)
+    for step in range(2):
+        for micro in range(2):
+            x = torch.randn(2, 128, 256, device=cuda, dtype=torch.bfloat16)
+            g = torch.randn(2, 128, 256, device=cuda, dtype=torch.bfloat16) * (step + 1)
+            for s, call in ((eager, eager), (shell, compiled)):
+                loss = (call(x, is_first_microbatch=micro == 0).float() * g.float()).sum()
+                if how == "backward()":
+                    loss.backward()
+                else:
+                    torch.autograd.grad(loss, list(s.parameters()))
+    want, got = eager.workspaces, shell.workspaces
+    assert torch.equal(got["fc2_grad_amax_history"], want["fc2_grad_amax_history"])
+    assert bool((got["fc2_grad_amax_history"][[0, -1]] > 0).all())     # this step's slot, and the last one's (rolled)
+    assert torch.allclose(got["fc1_grad_amax_history"], want["fc1_grad_amax_history"], rtol=1e-2)
+
+
 @pytest.mark.parametrize("recipe", [pytest.param(r, id=rid) for rid, r in RECIPES if r is not None])
 def test_linear_takes_non_contiguous_inputs_and_gradients_on_cuda(cuda, recipe):
     """A transposed input and a transposed output gradient: the casts come out row-major,
