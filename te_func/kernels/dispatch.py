@@ -130,7 +130,8 @@ def activation(x: torch.Tensor, act: str, y: torch.Tensor | None = None, column_
     Returns (v in x's dtype, the same bits as te_func.ops.activations' formulas; max |v| ()
     fp32, NaN skipped; v.sum(0) in x's dtype, or None without `column_sums`).
     """
-    if x.dim() != 2 or (y is not None and (y.shape != x.shape or y.dtype != x.dtype)) or not _applies(x) \
+    # _applies first: it says no under torch.compile before any shape is compared (no guard).
+    if not _applies(x) or x.dim() != 2 or (y is not None and (y.shape != x.shape or y.dtype != x.dtype)) \
             or _cast_module() is None:
         return None
     with torch._C._DisableFuncTorch():
