@@ -1,4 +1,6 @@
-"""The fused Triton casts (te_func.kernels) are bit-identical to te_func.quant's torch code.
+"""The fused Triton casts (te_func.kernels) are bit-identical to te_func.quant's torch code;
+the norm kernels agree with te_func.ops.normalization's to fp32 rounding (their row sums
+add in another order).
 
 Run on CUDA (marked `cuda`; skipped without a GPU). With TRITON_INTERPRET=1 they also
 run on CPU through Triton's interpreter, for work on the kernels without a GPU.
@@ -16,6 +18,7 @@ import te_func as tef
 import te_func.kernels as kernels
 from cases import detached_params, sqnr
 from te_func.kernels import dispatch
+from te_func.ops.normalization import NormConfig, norm_backward, norm_forward, norm_output
 from te_func.ops.activations import (activation_backward, activation_forward, activation_grad_with_sums,
                                     activation_spec, activation_with_amax)
 from te_func.quant import DelayedState, Scheme, quantize_scheme, quantize_with_transpose
@@ -193,16 +196,22 @@ def assert_same_activation(got, want):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("backward", [False, True], ids=["gelu", "gelu_backward"])
-def test_gelu_kernel_matches_the_formulas_with_its_amax_and_column_sums(device, kernels_on, backward, shape,
-                                                                         dtype):
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_gelu_kernel_matches_the_formulas_with_its_amax_and_column_sums(device, kernels_on, with_bias, backward,
+                                                                         shape, dtype):
+    """With a bias, fc1's: the kernels add it to the GELU's input as torch's `+` would, and the
+    forward hands back its input and the bias, for the backward kernel to add again."""
     x, y = random_input(shape, dtype, device), random_input(shape, dtype, device) * 4
+    bias = random_input(shape[-1:], dtype, device) if with_bias else None
+    biased = lambda t: t if bias is None else t + bias     # noqa: E731
     before = dispatch.calls["fused"]
     if backward:
-        v, amax, sums = activation_grad_with_sums(GELU, x, y, column_sums=True)
-        want = activation_backward(GELU, x, y)
+        v, amax, sums = activation_grad_with_sums(GELU, x, y, True, bias)
+        want = activation_backward(GELU, x, biased(y))
     else:
-        (v, amax), sums = activation_with_amax(GELU, x), None
-        want = activation_forward(GELU, x)
+        v, amax, kept, kept_bias = activation_with_amax(GELU, x, bias)
+        assert kept is x and kept_bias is bias
+        want, sums = activation_forward(GELU, biased(x)), None
     assert dispatch.calls["fused"] > before
     assert_same_activation((v, amax), (want, amax_of(want)))
     if sums is None:
@@ -228,8 +237,76 @@ def test_gelu_kernel_on_nan_inf_zeros_and_extremes(device, kernels_on, backward,
     if backward:
         got, want = activation_grad_with_sums(GELU, x, y, False)[:2], activation_backward(GELU, x, y)
     else:
-        got, want = activation_with_amax(GELU, x), activation_forward(GELU, x)
+        got, want = activation_with_amax(GELU, x)[:2], activation_forward(GELU, x)
     assert_same_activation(got, (want, amax_of(want)))
+
+
+NORMS = {"layernorm": NormConfig("LayerNorm"), "layernorm-zero-centered": NormConfig("LayerNorm", 1e-6, True),
+         "rmsnorm": NormConfig("RMSNorm", 1e-5), "rmsnorm-zero-centered": NormConfig("RMSNorm", 1e-5, True)}
+# Widths across the kernels' warp counts and a masked tail; 17 rows leave the last programs part-empty.
+NORM_SHAPES = [(64, 96), (17, 33), (3, 4096), (130, 1000)]
+
+
+def _within_rounding(got: torch.Tensor, want: torch.Tensor, terms: torch.Tensor) -> bool:
+    """Each value within an ulp (of `want`'s dtype) of `want`, plus the fp32 rounding of a row
+    sum's order carried through terms of size `terms` (which may cancel to a small result)."""
+    slack = torch.finfo(want.dtype).eps * want.double().abs() + 32 * torch.finfo(torch.float32).eps * terms.double()
+    return bool(((got.double() - want.double()).abs() <= slack + torch.finfo(want.dtype).tiny).all())
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("norm", list(NORMS), ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_norm_kernels_match_the_formulas_to_fp32_rounding(device, kernels_on, with_bias, norm, shape, dtype):
+    """Forward: y in x's dtype within an ulp of the torch code's, mean and rsigma to a few fp32 ulps,
+    the amax exactly y's. Backward (from the same statistics): dx within an ulp of x's dtype,
+    dweight and dbias to fp32 rounding; and both as close to float64 as the torch code is."""
+    cfg = NORMS[norm]
+    if with_bias and cfg.rms:
+        pytest.skip("RMSNorm has no bias")
+    x = (torch.randn(shape, device=device) * 3 + 1.5).to(dtype)       # rows with a mean of their own
+    weight = (torch.randn(shape[-1], device=device) * (0.1 if cfg.zero_centered_gamma else 1)).to(dtype)
+    bias = torch.randn(shape[-1], device=device).to(dtype) if with_bias else None
+    dy = torch.randn(shape, device=device).to(dtype)
+
+    (y, mean, rsigma, amax), (want_y, want_mean, want_rsigma, no_amax) = both_paths(
+        lambda: norm_output(x, weight, bias, cfg))
+    assert no_amax is None and y.dtype == dtype and rsigma.shape == (shape[0], 1)
+    assert torch.equal(amax, amax_of(y))
+    x_hat_max = (x.float() - (0 if cfg.rms else want_mean)).abs().amax(-1, keepdim=True) * want_rsigma
+    gamma = weight.float() + 1 if cfg.zero_centered_gamma else weight.float()
+    assert _within_rounding(y, want_y, x_hat_max * gamma.abs() + (0 if bias is None else bias.float().abs()))
+    torch.testing.assert_close(rsigma, want_rsigma, rtol=4e-6, atol=0)
+    if cfg.rms:
+        assert mean is None and want_mean is None
+    else:
+        torch.testing.assert_close(mean, want_mean, rtol=4e-6, atol=4e-7 * x.float().abs().amax().item())
+
+    (dx, dw, db), (want_dx, want_dw, want_db) = both_paths(
+        lambda: norm_backward(dy, x, want_mean, want_rsigma, weight, cfg))
+    assert dx.dtype == dtype and dw.dtype == db.dtype == torch.float32
+    dx_hat = (dy.float() * gamma).abs()
+    assert _within_rounding(dx, want_dx, want_rsigma * (dx_hat + x_hat_max * dx_hat.amax(-1, keepdim=True)))
+    scale = (dy.float().abs() * 4).sum(0)     # |x_hat| < 4 here: the terms' size, for the sums' rounding
+    for got, want in ((dw, want_dw), (db, want_db)):
+        assert ((got - want).abs() <= 8 * torch.finfo(torch.float32).eps * scale).all()
+
+    # Against float64: the kernels' results are as good as the torch code's.
+    y64, mean64, rsigma64 = norm_forward(x.double(), weight.double(), None if bias is None else bias.double(), cfg)
+    dx64, dw64, db64 = norm_backward(dy.double(), x.double(), mean64, rsigma64, weight.double(), cfg)
+    for got, want, ref in ((y, want_y, y64), (dx, want_dx, dx64), (dw, want_dw, dw64)):
+        assert sqnr(ref, got) >= min(sqnr(ref, want), 120) - 3
+
+
+@gpu
+def test_norm_kernel_skips_nan_in_its_amax_and_keeps_it_in_y(device, kernels_on):
+    x = torch.randn(16, 64, device=device, dtype=torch.bfloat16)
+    x[3, 5] = float("nan")
+    y, _, rsigma, amax = norm_output(x, torch.ones(64, device=device, dtype=torch.bfloat16), None, NORMS["layernorm"])
+    assert y[3].isnan().all() and rsigma[3].isnan().all() and not y[:3].isnan().any()
+    assert torch.equal(amax, amax_of(y)) and amax.isfinite()
 
 
 @gpu
@@ -243,10 +320,17 @@ def test_cast_with_a_known_amax_matches_the_torch_path(device, kernels_on, schem
     assert_same_bits(fused, quantize_with_transpose(x, s, state))
 
 
-def _mlp_step(device, recipe):
-    model = tef.nn.LayerNormMLP(96, 192, params_dtype=torch.bfloat16, device=device)
+@pytest.fixture
+def torch_norms(monkeypatch):
+    """The norm's torch code even where its kernels apply: what is left is bit-identical."""
+    monkeypatch.setattr(kernels, "norm_forward", lambda *a: None)
+    monkeypatch.setattr(kernels, "norm_backward", lambda *a: None)
+
+
+def _mlp_step(device, recipe, hidden=96):
+    model = tef.nn.LayerNormMLP(hidden, 2 * hidden, params_dtype=torch.bfloat16, device=device)
     params, ws = detached_params(model), tef.init_workspaces(model, recipe)
-    x = torch.randn(40, 96, device=device, dtype=torch.bfloat16)
+    x = torch.randn(40, hidden, device=device, dtype=torch.bfloat16)
 
     def loss_fn(p, w, x):
         out, new_w = tef.functional_call(model, p, w, (x,), recipe=recipe, is_first_microbatch=None)
@@ -270,10 +354,27 @@ def assert_same_step(got, want):
 @gpu
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
                          ids=lambda r: type(r).__name__)
-def test_layernorm_mlp_with_the_gelu_kernels_matches_the_torch_path(device, kernels_on, recipe):
+def test_layernorm_mlp_with_the_gelu_kernels_matches_the_torch_path(device, kernels_on, torch_norms, recipe):
     step, args = _mlp_step(device, recipe)
     fused, reference = both_paths(lambda: step(*args))
     assert_same_step(fused, reference)
+
+
+@gpu
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
+                         ids=lambda r: type(r).__name__)
+def test_layernorm_mlp_with_every_kernel_matches_the_torch_path_to_fp8_tolerance(device, kernels_on, recipe):
+    """The norm kernels too: their row sums' order moves a few bf16 values of the normalized
+    output by an ulp, and so an FP8 value here and there, so the step agrees to FP8's noise."""
+    step, args = _mlp_step(device, recipe, hidden=256)
+    fused, reference = both_paths(lambda: step(*args))
+    (loss, (grads, dx), ws), (want_loss, (want_grads, want_dx), want_ws) = fused, reference
+    assert torch.isclose(loss, want_loss, rtol=1e-2)
+    assert sqnr(want_dx, dx) > 20
+    assert all(sqnr(want_grads[k], grads[k]) > 20 for k in want_grads), \
+        {k: sqnr(want_grads[k], grads[k]) for k in want_grads}
+    for k in want_ws:       # amax histories and scales: the amaxes of nearly the same tensors
+        torch.testing.assert_close(ws[k].float(), want_ws[k].float(), rtol=2 ** -6, atol=0)
 
 
 @gpu
@@ -310,14 +411,14 @@ VARIANTS = [("bf16", E4M3, *flags) for flags in itertools.product([False, True],
      ("fp32", E4M3, False, True, False, False)]
 
 
-def _compile_for_hopper(fn, signature: dict, constexprs: dict) -> str:
+def _compile_for_hopper(fn, signature: dict, constexprs: dict, fp_fusion: bool = True) -> str:
     """The PTX Triton's own ptxas makes of `fn` for sm_90 (no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 8}).asm["ptx"]
+                          options={"num_warps": 8, "enable_fp_fusion": fp_fusion}).asm["ptx"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
@@ -342,14 +443,36 @@ def test_every_kernel_variant_compiles_for_hopper(variant):
 
 @pytest.mark.parametrize("x_dtype", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("act,colsum", [(1, False), (1, True), (2, True), (2, False)], ids=str)
-def test_every_activation_kernel_variant_compiles_for_hopper(act, colsum, x_dtype):
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_every_activation_kernel_variant_compiles_for_hopper(bias, act, colsum, x_dtype):
     if INTERPRET:
         pytest.skip("the interpreter does not compile")
     pytest.importorskip("triton")
     from te_func.kernels import cast
-    signature = {"x_ptr": "*" + x_dtype, "y_ptr": "*" + x_dtype, "v_ptr": "*" + x_dtype, "amax_bits_ptr": "*i32",
-                 "colsum_ptr": "*fp32", "M": "i32", "N": "i32"}
-    ptx = _compile_for_hopper(cast._activation_kernel, signature, {"ACT": act, "COLSUM": colsum,
+    signature = {"x_ptr": "*" + x_dtype, "y_ptr": "*" + x_dtype, "b_ptr": "*" + x_dtype, "v_ptr": "*" + x_dtype,
+                 "amax_bits_ptr": "*i32", "colsum_ptr": "*fp32", "M": "i32", "N": "i32"}
+    ptx = _compile_for_hopper(cast._activation_kernel, signature, {"ACT": act, "HAS_BIAS": bias, "COLSUM": colsum,
                                                                    "BLOCK_M": cast.ACT_TILE_M,
                                                                    "BLOCK_N": cast.ACT_TILE_N})
     assert "atom" in ptx and (x_dtype != "bf16" or "cvt.rn.bf16" in ptx)   # rounded to nearest even
+
+
+@pytest.mark.parametrize("x_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("block_n", [128, 4096, 16384])
+def test_every_norm_kernel_variant_compiles_for_hopper(block_n, rms, x_dtype):
+    if INTERPRET:
+        pytest.skip("the interpreter does not compile")
+    pytest.importorskip("triton")
+    from te_func.kernels import norm
+    rows = {"M": "i32", "N": "i32"}
+    fwd = _compile_for_hopper(norm._norm_forward_kernel, {
+        "x_ptr": "*" + x_dtype, "gamma_ptr": "*fp32", "beta_ptr": "*fp32", "y_ptr": "*" + x_dtype,
+        "mean_ptr": "*fp32", "rsigma_ptr": "*fp32", "amax_bits_ptr": "*i32", **rows, "inv_n": "fp32", "eps": "fp32"},
+        {"RMS": rms, "HAS_BETA": not rms, "ROWS": norm.ROWS_FORWARD, "BLOCK_N": block_n}, fp_fusion=False)
+    bwd = _compile_for_hopper(norm._norm_backward_kernel, {
+        "dy_ptr": "*" + x_dtype, "x_ptr": "*" + x_dtype, "mean_ptr": "*fp32", "rsigma_ptr": "*fp32",
+        "gamma_ptr": "*fp32", "dx_ptr": "*" + x_dtype, "dgamma_ptr": "*fp32", "dbeta_ptr": "*fp32", **rows,
+        "rows_per_program": "i32", "inv_n": "fp32"}, {"RMS": rms, "BLOCK_N": block_n}, fp_fusion=False)
+    # no fused multiply-add: each product rounded, as torch's separate ops round it
+    assert "atom" in fwd and "fma.rn.f32" not in fwd and "fma.rn.f32" not in bwd

@@ -4,6 +4,8 @@
 te_func.ops `activation` for LayerNormMLP's GELU, and keep their torch code where
 these return None; the results are bit-identical.
 """
-from .dispatch import activation, cast_kernels_available, set_cast_kernels, tensorwise_cast
+from .dispatch import (activation, cast_kernels_available, norm_backward, norm_forward, set_cast_kernels,
+                       tensorwise_cast)
 
-__all__ = ["activation", "cast_kernels_available", "set_cast_kernels", "tensorwise_cast"]
+__all__ = ["activation", "cast_kernels_available", "norm_backward", "norm_forward", "set_cast_kernels",
+           "tensorwise_cast"]

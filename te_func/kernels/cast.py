@@ -83,23 +83,29 @@ def _round_to(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _activation_kernel(x_ptr, y_ptr, v_ptr, amax_bits_ptr, colsum_ptr, M, N, ACT: tl.constexpr,
-                       COLSUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _activation_kernel(x_ptr, y_ptr, b_ptr, v_ptr, amax_bits_ptr, colsum_ptr, M, N, ACT: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, COLSUM: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
     """v = gelu(x) (ACT_GELU) or x * gelu'(y) (ACT_DGELU), x and y (M, N) contiguous, written in x's
     dtype (the formulas' fp32 result rounded once), with max |v| recorded into amax_bits_ptr (as `_amax_kernel`)
     and, with COLSUM, each tile's column sums of v (fp32) in row pid_m of colsum_ptr
-    (cdiv(M, BLOCK_M), N), which the caller adds up in a fixed order."""
+    (cdiv(M, BLOCK_M), N), which the caller adds up in a fixed order. With HAS_BIAS the GELU's
+    input (x, or y) is first added the bias b (N,), rounded to x's dtype as torch's `+` rounds it."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm[:, None] * N + rn[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    act_in = x if ACT == ACT_GELU else tl.load(y_ptr + offs, mask=mask, other=0.0)
+    act_in = act_in.to(tl.float32)
+    if HAS_BIAS:
+        act_in = _round_to(act_in + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :], x.dtype)
     if ACT == ACT_GELU:
-        v = _gelu(x.to(tl.float32))
+        v = _gelu(act_in)
     else:
-        v = _gelu_backward(x.to(tl.float32), tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32))
-    v = _round_to(v, x.dtype)           # 0 where masked off: act(0) = 0
+        v = _gelu_backward(x.to(tl.float32), act_in)
+    v = tl.where(mask, _round_to(v, x.dtype), 0.0)     # masked off: out of the amax and the sums
     tl.store(v_ptr + offs, v.to(x.dtype), mask=mask)
     a = tl.where(v != v, 0.0, tl.abs(v))
     tl.atomic_max(amax_bits_ptr, tl.max(tl.max(a.to(tl.int32, bitcast=True), axis=1), axis=0))
@@ -233,16 +239,17 @@ def cast(x2d: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_epsilon: fl
     return data, data_t, scale_inv, bits
 
 
-def activation(x2d: torch.Tensor, y2d: torch.Tensor | None, act: str, column_sums: bool):
+def activation(x2d: torch.Tensor, y2d: torch.Tensor | None, act: str, column_sums: bool,
+               bias: torch.Tensor | None = None):
     """The activation `act` (a key of ACTIVATIONS) of a contiguous (M, N) x (and y2d, the GELU's
-    input, for "gelu_backward"): (v (M, N) in x's dtype, max |v| as `amax_bits` returns it, v's
-    column sums (N,) fp32 or None)."""
+    input, for "gelu_backward"), the GELU's input plus `bias` (N,) of x's dtype where given:
+    (v (M, N) in x's dtype, max |v| as `amax_bits` returns it, v's column sums (N,) fp32 or None)."""
     m, n = x2d.shape
     v = torch.empty_like(x2d)
     bits = torch.zeros(1, dtype=torch.int32, device=x2d.device)
     grid = (triton.cdiv(m, ACT_TILE_M), triton.cdiv(n, ACT_TILE_N))
     partial = torch.empty((grid[0], n), dtype=torch.float32, device=x2d.device) if column_sums else bits
-    _activation_kernel[grid](x2d, x2d if y2d is None else y2d, v, bits, partial, m, n, ACT=ACTIVATIONS[act],
-                             COLSUM=column_sums, BLOCK_M=ACT_TILE_M, BLOCK_N=ACT_TILE_N, num_warps=4,
-                             enable_fp_fusion=False)
+    _activation_kernel[grid](x2d, x2d if y2d is None else y2d, x2d if bias is None else bias, v, bits, partial, m,
+                             n, ACT=ACTIVATIONS[act], HAS_BIAS=bias is not None, COLSUM=column_sums,
+                             BLOCK_M=ACT_TILE_M, BLOCK_N=ACT_TILE_N, num_warps=4, enable_fp_fusion=False)
     return v, bits, partial.sum(0) if column_sums else None

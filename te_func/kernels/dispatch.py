@@ -21,7 +21,8 @@ import os
 import torch
 from torch._C import _functorch
 
-__all__ = ["activation", "cast_kernels_available", "set_cast_kernels", "tensorwise_cast"]
+__all__ = ["activation", "cast_kernels_available", "norm_backward", "norm_forward", "set_cast_kernels",
+           "tensorwise_cast"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_NUMEL = 2**31 - 2**24     # int32 indexing in the kernels
@@ -30,6 +31,16 @@ _MAX_NUMEL = 2**31 - 2**24     # int32 indexing in the kernels
 _DEFAULT = "1"
 _enabled = os.environ.get("TE_FUNC_CAST_KERNELS", _DEFAULT) == "1"
 calls = {"fused": 0}           # how many casts the kernels made (tests check they ran)
+
+
+@functools.cache
+def _norm_module():
+    """te_func.kernels.norm, or None where Triton is missing or cannot import."""
+    try:
+        from . import norm
+    except Exception:   # as _cast_module
+        return None
+    return norm
 
 
 @functools.cache
@@ -121,24 +132,75 @@ def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_ep
         return data.reshape(x.shape), data_t, scale_inv, bits.view(torch.float32).reshape(())
 
 
-def activation(x: torch.Tensor, act: str, y: torch.Tensor | None = None, column_sums: bool = False):
+def activation(x: torch.Tensor, act: str, y: torch.Tensor | None = None, column_sums: bool = False,
+               bias: torch.Tensor | None = None):
     """An activation by the fused kernel, with its amax and column sums taken on the way, or
     None where the kernel does not apply.
 
     act: "gelu" (v = gelu(x), tanh approximation) or "gelu_backward" (v = x * gelu'(y), x being
     the gradient of the GELU's output and y its input, of x's shape and dtype). x: 2-D.
+    bias: (x.shape[-1],) of x's dtype, added to the GELU's input first (x + bias, or y + bias,
+    rounded as torch's `+`), so that fc1's bias takes no pass of its own.
     Returns (v in x's dtype, the same bits as te_func.ops.activations' formulas; max |v| ()
     fp32, NaN skipped; v.sum(0) in x's dtype, or None without `column_sums`).
     """
     # _applies first: it says no under torch.compile before any shape is compared (no guard).
     if not _applies(x) or x.dim() != 2 or (y is not None and (y.shape != x.shape or y.dtype != x.dtype)) \
-            or _cast_module() is None:
+            or (bias is not None and (bias.shape != x.shape[-1:] or bias.dtype != x.dtype)) or _cast_module() is None:
         return None
     with torch._C._DisableFuncTorch():
-        x_plain, y_plain = _plain(x), None if y is None else _plain(y)
-        if x_plain is None or (y is not None and y_plain is None):
+        plain = _plain_all(x, y, bias)
+        if plain is None:
             return None
-        v, bits, sums = _cast_module().activation(x_plain.contiguous(), None if y_plain is None else
-                                                  y_plain.contiguous(), act, column_sums)
+        x_p, y_p, b_p = (None if t is None else t.contiguous() for t in plain)
+        v, bits, sums = _cast_module().activation(x_p, y_p, act, column_sums, b_p)
         calls["fused"] += 1
         return v, bits.view(torch.float32).reshape(()), None if sums is None else sums.to(x.dtype)
+
+def _plain_all(*ts):
+    """The plain tensors under torch.func.grad's wrappers (None stays None), or None if any is
+    batched, fake or a subclass (`_plain`)."""
+    plain = tuple(None if t is None else _plain(t) for t in ts)
+    return None if any(p is None and t is not None for p, t in zip(plain, ts)) else plain
+
+
+def _norm_applies(x: torch.Tensor) -> bool:
+    return _applies(x) and x.dim() == 2 and x.shape[-1] <= 16384 and _norm_module() is not None
+
+
+def norm_forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None, eps: float, rms: bool):
+    """LayerNorm (rms=False) or RMSNorm of a 2-D x by the fused kernel, or None where it does not
+    apply. gamma, beta (hidden,) fp32 (the norm's weight as it multiplies, zero-centered
+    already). Returns (y in x's dtype, mean (tokens, 1) fp32 or None, rsigma (tokens, 1) fp32,
+    max |y| () fp32): te_func.ops.normalization.norm_forward's results, y rounded to x's dtype,
+    the row statistics summed in the kernel's order (te_func.kernels.norm)."""
+    if not _norm_applies(x):
+        return None
+    with torch._C._DisableFuncTorch():
+        plain = _plain_all(x, gamma, beta)
+        if plain is None:
+            return None
+        x_p, g_p, b_p = plain
+        y, mean, rsigma, bits = _norm_module().norm_forward(
+            x_p.contiguous(), g_p.float().contiguous(), None if b_p is None else b_p.float().contiguous(), eps, rms)
+        calls["fused"] += 1
+        return y, None if mean is None else mean[:, None], rsigma[:, None], bits.view(torch.float32).reshape(())
+
+
+def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rsigma: torch.Tensor,
+                  gamma: torch.Tensor):
+    """The norm's backward by the fused kernel, or None where it does not apply: dy, x (tokens,
+    hidden), mean (None: RMSNorm) and rsigma (tokens, 1) as `norm_forward` made them, gamma
+    (hidden,) fp32. Returns (dx in x's dtype, dgamma (hidden,) fp32, dbeta (hidden,) fp32)."""
+    if not _norm_applies(x) or dy.shape != x.shape or dy.dtype not in _INPUT_DTYPES:
+        return None
+    with torch._C._DisableFuncTorch():
+        plain = _plain_all(dy, x, mean, rsigma, gamma)
+        if plain is None:
+            return None
+        dy_p, x_p, mean_p, rsigma_p, g_p = plain
+        out = _norm_module().norm_backward(
+            dy_p.contiguous(), x_p.contiguous(), None if mean_p is None else mean_p.float().reshape(-1).contiguous(),
+            rsigma_p.float().reshape(-1).contiguous(), g_p.float().contiguous(), mean is None)
+        calls["fused"] += 1
+        return out

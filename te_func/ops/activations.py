@@ -264,21 +264,31 @@ def activation_backward(act: Activation, dy: torch.Tensor, x: torch.Tensor) -> t
 _KERNELS = {"gelu": ("gelu", "gelu_backward")}
 
 
-def activation_with_amax(act: Activation, x: torch.Tensor):
-    """`activation_forward(act, x)` and, where a kernel made it, max |act(x)| () fp32 (else None)."""
+def activation_with_amax(act: Activation, x: torch.Tensor, bias: torch.Tensor | None = None):
+    """`activation_forward(act, x + bias)` -> (out, max |out| () fp32 where a kernel made it (else
+    None), and what `activation_grad_with_sums` reads back as (x, bias): the input and the bias
+    still to add to it, where the kernel added it on the way (fc1's bias: no pass of its own), or
+    x + bias and None)."""
+    bias = None if bias is None else bias.to(x.dtype)
     if act.name in _KERNELS:
-        fused = kernels.activation(x, _KERNELS[act.name][0])
+        fused = kernels.activation(x, _KERNELS[act.name][0], bias=bias)
         if fused is not None:
-            return fused[:2]
-    return activation_forward(act, x), None
+            return *fused[:2], x, bias
+    if bias is not None:
+        x = x + bias
+    return activation_forward(act, x), None, x, None
 
 
-def activation_grad_with_sums(act: Activation, dy: torch.Tensor, x: torch.Tensor, column_sums: bool):
-    """`activation_backward(act, dy, x)` -> (g, max |g| () fp32 where a kernel made it (else None),
-    g.sum(0) in g's dtype or None without `column_sums`)."""
+def activation_grad_with_sums(act: Activation, dy: torch.Tensor, x: torch.Tensor, column_sums: bool,
+                              bias: torch.Tensor | None = None):
+    """`activation_backward(act, dy, x + bias)` -> (g, max |g| () fp32 where a kernel made it (else
+    None), g.sum(0) in g's dtype or None without `column_sums`). x, bias: as `activation_with_amax`
+    returned them."""
     if act.name in _KERNELS and dy.dtype == x.dtype:
-        fused = kernels.activation(dy, _KERNELS[act.name][1], x, column_sums)
+        fused = kernels.activation(dy, _KERNELS[act.name][1], x, column_sums, bias)
         if fused is not None:
             return fused
+    if bias is not None:
+        x = x + bias
     g = activation_backward(act, dy, x)
     return g, None, g.sum(0) if column_sums else None

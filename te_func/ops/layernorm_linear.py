@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .gemm_layer import GemmSlot
-from .normalization import NormConfig, norm_backward, norm_forward
+from .normalization import NormConfig, norm_backward, norm_output
 
 __all__ = ["LayerNormLinearFP8"]
 
@@ -37,10 +37,8 @@ class LayerNormLinearFP8:
 
     def forward(self, t):
         x = t["x"]
-        y, mean, rsigma = norm_forward(x, t["ln_weight"], t["ln_bias"], self.norm)
-        ln_out = y.to(x.dtype)                                                  # (tokens, in)
-        del y           # fp32: gone before the GEMMs (eager's peak memory)
-        out, gemm_out = self.gemm.forward(t, ln_out, t["bias"])                 # (tokens, out)
+        ln_out, mean, rsigma, ln_amax = norm_output(x, t["ln_weight"], t["ln_bias"], self.norm)  # (tokens, in)
+        out, gemm_out = self.gemm.forward(t, ln_out, t["bias"], ln_amax)  # (tokens, out)
         return {"out": out, "ln_out": ln_out, "mean": mean, "rsigma": rsigma, **gemm_out}
 
     def backward(self, s, grads, ctx):

@@ -3,7 +3,9 @@
 What backward keeps, as TE: the input, mean and rsigma (norm backward), the
 normalized output's FP8 cast along tokens (fc1 weight gradient), fc1's
 output in high precision (activation backward) and the activation output's
-FP8 cast along tokens (fc2 weight gradient). Each GEMM input is quantized
+FP8 cast along tokens (fc2 weight gradient). Where the GELU kernel adds fc1's
+bias on the way (eagerly on a GPU), fc1's output is kept without it and the
+backward kernel adds it again. Each GEMM input is quantized
 once; all four backward GEMMs run in FP8. On a GPU the activation and its
 gradient are fused kernels that take their amaxes (and fc1's bias gradient) on
 the way, so their casts need no amax pass (te_func.ops.activations).
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 from .activations import Activation, activation_grad_with_sums, activation_with_amax
 from .gemm_layer import GemmSlot
-from .normalization import NormConfig, norm_backward, norm_forward
+from .normalization import NormConfig, norm_backward, norm_output
 
 __all__ = ["LayerNormMLPFP8"]
 
@@ -36,7 +38,8 @@ class LayerNormMLPFP8:
 
     @property
     def outputs(self):
-        return ("out", "ln_out", "mean", "rsigma", "fc1_out", *self.fc1.outputs, *self.fc2.outputs)
+        return ("out", "ln_out", "mean", "rsigma", "fc1_out", "fc1_bias_pending", *self.fc1.outputs,
+                *self.fc2.outputs)
 
     @property
     def carried(self):
@@ -44,18 +47,18 @@ class LayerNormMLPFP8:
 
     @property
     def saved(self):
-        return ("x", "ln_weight", "mean", "rsigma", "fc1_out", *self.fc1.saved, *self.fc2.saved)
+        return ("x", "ln_weight", "mean", "rsigma", "fc1_out", "fc1_bias_pending", *self.fc1.saved,
+                *self.fc2.saved)
 
     def forward(self, t):
         x = t["x"]
-        y, mean, rsigma = norm_forward(x, t["ln_weight"], t["ln_bias"], self.norm)
-        ln_out = y.to(x.dtype)                                                  # (tokens, hidden)
-        del y           # fp32: gone before the GEMMs (eager's peak memory)
-        fc1_out, fc1_state = self.fc1.forward(t, ln_out, t["fc1_bias"])         # (tokens, fc1 width)
-        act_out, act_amax = activation_with_amax(self.activation, fc1_out)     # (tokens, ffn)
+        ln_out, mean, rsigma, ln_amax = norm_output(x, t["ln_weight"], t["ln_bias"], self.norm)  # (tokens, hidden)
+        fc1_out, fc1_state = self.fc1.forward(t, ln_out, None, ln_amax)  # (tokens, fc1 width), bias: next line
+        act_out, act_amax, fc1_out, pending = activation_with_amax(self.activation, fc1_out, t["fc1_bias"])
         out, fc2_state = self.fc2.forward(t, act_out, t["fc2_bias"], act_amax)  # (tokens, hidden)
         return {"out": out, "ln_out": ln_out, "mean": mean, "rsigma": rsigma, "fc1_out": fc1_out,
-                **fc1_state, **fc2_state}
+                # a view: a Function may not save an input it returns as is
+                "fc1_bias_pending": None if pending is None else pending.view_as(pending), **fc1_state, **fc2_state}
 
     def backward(self, s, grads, ctx):
         g, need = grads["out"], ctx.need
@@ -65,8 +68,8 @@ class LayerNormMLPFP8:
         out = {"fc2_weight": dw2, "fc2_bias": ctx.cast("fc2_bias", g.sum(0)), **sink2}
         if not need_dfc1:
             return out
-        dfc1, dfc1_amax, dfc1_sum = activation_grad_with_sums(self.activation, dact, s["fc1_out"],
-                                                              need["fc1_bias"])    # (tokens, fc1 width)
+        dfc1, dfc1_amax, dfc1_sum = activation_grad_with_sums(self.activation, dact, s["fc1_out"], need["fc1_bias"],
+                                                              s["fc1_bias_pending"])   # (tokens, fc1 width)
         # The (tokens, ffn) gradients go as soon as they are used (eager's peak memory): dact
         # here, dfc1 once its FP8 casts are made, before fc1's backward GEMMs.
         del dact

@@ -2,9 +2,12 @@
 
 `norm_forward` / `norm_backward` are plain tensor functions: the fused
 LayerNormLinear and LayerNormMLP ops call them inside their own autograd
-Functions. As in TE, the math runs in fp32 (float64 stays float64) whatever
-the input dtype, and backward reads what a norm backward needs: the input,
-mean and rsigma. `norm_reference` is the same function composed of plain
+Functions (the forward through `norm_output`). As in TE, the math runs in fp32
+(float64 stays float64) whatever the input dtype, and backward reads what a
+norm backward needs: the input, mean and rsigma. Eagerly on a GPU both run as
+one Triton pass each (te_func.kernels), the forward taking its output's amax on
+the way; those sum the rows in their own order, so they agree with the torch
+code to fp32 rounding rather than bit for bit. `norm_reference` is the same function composed of plain
 torch ops (F.layer_norm / F.rms_norm), which autograd differentiates: the
 standalone LayerNorm / RMSNorm and every high-precision (recipe None) path.
 """
@@ -15,7 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NormConfig", "norm_forward", "norm_backward", "norm_reference", "NORMALIZATIONS"]
+from .. import kernels
+
+__all__ = ["NormConfig", "norm_forward", "norm_output", "norm_backward", "norm_reference", "NORMALIZATIONS"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -66,6 +71,19 @@ def norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y, mean, rsigma
 
 
+def norm_output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: NormConfig):
+    """x (tokens, hidden) -> (y in x's dtype, mean, rsigma as `norm_forward`, max |y| () fp32 where
+    the fused kernel took it on the way, else None)."""
+    ct = _compute_dtype(x)
+    if ct == torch.float32:
+        fused = kernels.norm_forward(x, _gamma(weight, cfg, ct), None if bias is None else bias.to(ct), cfg.eps,
+                                     cfg.rms)
+        if fused is not None:
+            return fused
+    y, mean, rsigma = norm_forward(x, weight, bias, cfg)
+    return y.to(x.dtype), mean, rsigma, None
+
+
 # The eager norm backward's dx in 4 row chunks from 1024 rows on (fewer: its temporaries are small).
 _CHUNKS, _MIN_ROWS_TO_CHUNK = 4, 1024
 
@@ -79,6 +97,10 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, 
     # dy enters the products in its own dtype (the multiply promotes to fp32 inside the
     # kernel: the values of an fp32 copy). Under torch.compile inductor fuses it all: one chunk.
     ct = _compute_dtype(x)
+    if ct == torch.float32:
+        fused = kernels.norm_backward(dy, x, mean, rsigma, _gamma(weight, cfg, ct))
+        if fused is not None:
+            return fused
     x_hat = _normalized(x, mean, rsigma, ct)
     dweight, dbias = (dy * x_hat).sum(0), dy.sum(0, dtype=ct)
     gamma, rows = _gamma(weight, cfg, ct), x.shape[0]
