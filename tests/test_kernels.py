@@ -476,3 +476,15 @@ def test_every_norm_kernel_variant_compiles_for_hopper(block_n, rms, x_dtype):
         "rows_per_program": "i32", "inv_n": "fp32"}, {"RMS": rms, "BLOCK_N": block_n}, fp_fusion=False)
     # no fused multiply-add: each product rounded, as torch's separate ops round it
     assert "atom" in fwd and "fma.rn.f32" not in fwd and "fma.rn.f32" not in bwd
+
+
+@gpu
+def test_a_modules_parameters_take_the_kernels(device, kernels_on, monkeypatch):
+    """Through tef.Stateful the ops get nn.Parameters as they are (fc1's bias): the kernels take them."""
+    model = tef.nn.LayerNormMLP(64, 128, params_dtype=torch.bfloat16, device=device)
+    shell = tef.Stateful(model, Float8CurrentScaling())
+    results, real = [], kernels.activation
+    monkeypatch.setattr(kernels, "activation", lambda *a, **k: results.append(real(*a, **k)) or results[-1])
+    x = torch.randn(32, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    shell(x).float().sum().backward()
+    assert len(results) == 2 and all(r is not None for r in results)     # the GELU forward and backward

@@ -1,8 +1,9 @@
 """Fused Triton kernels for the eager CUDA path (optional: Triton is imported lazily).
 
-`te_func.quant` calls `tensorwise_cast` first for every tensor-wise FP8 cast, and
-te_func.ops `activation` for LayerNormMLP's GELU, and keep their torch code where
-these return None; the results are bit-identical.
+`te_func.quant` calls `tensorwise_cast` first for every tensor-wise FP8 cast,
+te_func.ops `activation` for LayerNormMLP's GELU and `norm_forward` / `norm_backward`
+for the norms, and keep their torch code where these return None: the casts and the
+GELU give the same bits, the norms the same to fp32 rounding (their row sums' order).
 """
 from .dispatch import (activation, cast_kernels_available, norm_backward, norm_forward, set_cast_kernels,
                        tensorwise_cast)

@@ -3,8 +3,11 @@
 The kernels run on CUDA, eagerly, on plain tensors. Everywhere else the torch
 path runs: on CPU; under torch.compile (inductor fuses the torch path itself);
 under torch.func.vmap (the torch path takes one amax per sample); for other
-dtypes, empty or non-contiguous tensors. Results are bit-identical either way,
-so the choice never changes numerics.
+dtypes, empty or non-contiguous tensors. The casts' and the GELU's results are
+bit-identical either way, so that choice never changes numerics; the norms'
+(`norm_forward`, `norm_backward`) agree to fp32 rounding, their row sums being
+added in another order (as torch's own reductions differ between eager and
+inductor).
 
 `activation` computes LayerNormMLP's GELU, or its input gradient, with the amax
 (and the column sums: fc1's bias gradient) on the way, so that its cast takes
@@ -71,13 +74,14 @@ def set_cast_kernels(enabled: bool) -> bool:
 
 def _plain(t: torch.Tensor) -> torch.Tensor | None:
     """The plain tensor under torch.func.grad's wrappers, or None when it is batched (vmap),
-    fake (tracing) or a subclass. A cast is not differentiable, so dropping grad tracking
+    fake (tracing) or a subclass other than Parameter. A cast is not differentiable, so dropping grad tracking
     changes nothing; autograd Functions' backward receives such wrapped gradients."""
     while _functorch.is_functorch_wrapped_tensor(t):
         if not _functorch.is_gradtrackingtensor(t):
             return None
         t = _functorch.get_unwrapped(t)
-    return t if type(t) is torch.Tensor else None
+    # A Parameter (an nn.Module's bias reaching an op as is) is a plain tensor with a flag.
+    return t if type(t) in (torch.Tensor, torch.nn.Parameter) else None
 
 
 @functools.cache

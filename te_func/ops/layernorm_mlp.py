@@ -56,9 +56,10 @@ class LayerNormMLPFP8:
         fc1_out, fc1_state = self.fc1.forward(t, ln_out, None, ln_amax)  # (tokens, fc1 width), bias: next line
         act_out, act_amax, fc1_out, pending = activation_with_amax(self.activation, fc1_out, t["fc1_bias"])
         out, fc2_state = self.fc2.forward(t, act_out, t["fc2_bias"], act_amax)  # (tokens, hidden)
+        if pending is not None:
+            pending = pending.view_as(pending)      # a view: a Function may not save an input it returns as is
         return {"out": out, "ln_out": ln_out, "mean": mean, "rsigma": rsigma, "fc1_out": fc1_out,
-                # a view: a Function may not save an input it returns as is
-                "fc1_bias_pending": None if pending is None else pending.view_as(pending), **fc1_state, **fc2_state}
+                "fc1_bias_pending": pending, **fc1_state, **fc2_state}
 
     def backward(self, s, grads, ctx):
         g, need = grads["out"], ctx.need

@@ -7,9 +7,10 @@ Functions (the forward through `norm_output`). As in TE, the math runs in fp32
 norm backward needs: the input, mean and rsigma. Eagerly on a GPU both run as
 one Triton pass each (te_func.kernels), the forward taking its output's amax on
 the way; those sum the rows in their own order, so they agree with the torch
-code to fp32 rounding rather than bit for bit. `norm_reference` is the same function composed of plain
-torch ops (F.layer_norm / F.rms_norm), which autograd differentiates: the
-standalone LayerNorm / RMSNorm and every high-precision (recipe None) path.
+code to fp32 rounding rather than bit for bit. `norm_reference` is the same
+function composed of plain torch ops (F.layer_norm / F.rms_norm), which
+autograd differentiates: the standalone LayerNorm / RMSNorm and every
+high-precision (recipe None) path.
 """
 from __future__ import annotations
 
