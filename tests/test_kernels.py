@@ -301,6 +301,16 @@ def test_norm_kernels_match_the_formulas_to_fp32_rounding(device, kernels_on, wi
 
 
 @gpu
+def test_norm_kernels_leave_rows_wider_than_a_block_to_the_torch_code(device, kernels_on):
+    from te_func.kernels import norm
+    x = torch.randn(2, norm.MAX_HIDDEN + 16, device=device, dtype=torch.bfloat16)
+    weight = torch.ones(x.shape[-1], device=device)
+    before = dispatch.calls["fused"]
+    y, _, _, amax = norm_output(x, weight, None, NORMS["rmsnorm"])
+    assert amax is None and dispatch.calls["fused"] == before and y.shape == x.shape
+
+
+@gpu
 def test_norm_kernel_skips_nan_in_its_amax_and_keeps_it_in_y(device, kernels_on):
     x = torch.randn(16, 64, device=device, dtype=torch.bfloat16)
     x[3, 5] = float("nan")
