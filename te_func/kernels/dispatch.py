@@ -74,8 +74,8 @@ def set_cast_kernels(enabled: bool) -> bool:
 
 def _plain(t: torch.Tensor) -> torch.Tensor | None:
     """The plain tensor under torch.func.grad's wrappers, or None when it is batched (vmap),
-    fake (tracing) or a subclass other than Parameter. A cast is not differentiable, so dropping grad tracking
-    changes nothing; autograd Functions' backward receives such wrapped gradients."""
+    fake (tracing) or a subclass other than Parameter. A cast is not differentiable, so dropping
+    grad tracking changes nothing; autograd Functions' backward receives such wrapped gradients."""
     while _functorch.is_functorch_wrapped_tensor(t):
         if not _functorch.is_gradtrackingtensor(t):
             return None
@@ -161,6 +161,7 @@ def activation(x: torch.Tensor, act: str, y: torch.Tensor | None = None, column_
         calls["fused"] += 1
         return v, bits.view(torch.float32).reshape(()), None if sums is None else sums.to(x.dtype)
 
+
 def _plain_all(*ts):
     """The plain tensors under torch.func.grad's wrappers (None stays None), or None if any is
     batched, fake or a subclass (`_plain`)."""
@@ -169,7 +170,8 @@ def _plain_all(*ts):
 
 
 def _norm_applies(x: torch.Tensor) -> bool:
-    return _applies(x) and x.dim() == 2 and x.shape[-1] <= 16384 and _norm_module() is not None
+    # _applies first, as in `activation`; a row must fit the kernels' one block
+    return _applies(x) and x.dim() == 2 and _norm_module() is not None and x.shape[-1] <= _norm_module().MAX_HIDDEN
 
 
 def norm_forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None, eps: float, rms: bool):
