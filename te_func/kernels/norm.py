@@ -18,6 +18,8 @@ block: hidden <= MAX_HIDDEN.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -122,8 +124,9 @@ def _warps(block_n: int) -> int:
     return max(1, min(16, block_n // 512))
 
 
+@functools.cache
 def _mean_factor(n: int) -> float:
-    # torch's mean multiplies the sum by 1/n rounded to fp32
+    # torch's mean multiplies the sum by 1/n rounded to fp32 (cached: no tensor per eager call)
     return torch.tensor(1.0 / n, dtype=torch.float32).item()
 
 

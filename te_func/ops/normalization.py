@@ -98,13 +98,13 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, 
     # dy enters the products in its own dtype (the multiply promotes to fp32 inside the
     # kernel: the values of an fp32 copy). Under torch.compile inductor fuses it all: one chunk.
     ct = _compute_dtype(x)
+    gamma, rows = _gamma(weight, cfg, ct), x.shape[0]
     if ct == torch.float32:
-        fused = kernels.norm_backward(dy, x, mean, rsigma, _gamma(weight, cfg, ct))
+        fused = kernels.norm_backward(dy, x, mean, rsigma, gamma)
         if fused is not None:
             return fused
     x_hat = _normalized(x, mean, rsigma, ct)
     dweight, dbias = (dy * x_hat).sum(0), dy.sum(0, dtype=ct)
-    gamma, rows = _gamma(weight, cfg, ct), x.shape[0]
     if torch.compiler.is_compiling() or not isinstance(rows, int) or rows < _MIN_ROWS_TO_CHUNK:
         return _norm_dx(dy, x_hat, gamma, rsigma, mean is not None).to(x.dtype), dweight, dbias
     del x_hat       # each chunk makes its rows' own
