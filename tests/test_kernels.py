@@ -1,6 +1,6 @@
 """The fused Triton casts (te_func.kernels) are bit-identical to te_func.quant's torch code;
 the norm kernels agree with te_func.ops.normalization's to fp32 rounding (their row sums
-add in another order).
+add in another order); DelayedScaling's state kernels with te_func.quant's, bit for bit.
 
 Run on CUDA (marked `cuda`; skipped without a GPU). With TRITON_INTERPRET=1 they also
 run on CPU through Triton's interpreter, for work on the kernels without a GPU.
@@ -401,6 +401,57 @@ def test_compiled_layernorm_mlp_takes_the_torch_path_with_the_same_bits(device, 
     assert_same_step(got, step(*args))
 
 
+HISTORIES = {      # DelayedScaling's amax history as steps leave it, and its corner cases
+    "random": lambda h: h,
+    "idle-step": lambda h: h.index_fill(0, torch.tensor([0], device=h.device), 0.0),    # skipped: no roll
+    "nan": lambda h: h.index_fill(0, torch.tensor([0, h.numel() - 1], device=h.device), float("nan")),
+    "inf": lambda h: h.index_fill(0, torch.tensor([0], device=h.device), float("inf")),  # old scale kept
+    "subnormal": lambda h: h * 1e-44,     # fp8_max / amax overflows fp32: FLT_MAX scale
+    "all-zero": lambda h: torch.zeros_like(h),
+}
+
+
+@gpu
+@pytest.mark.parametrize("history", list(HISTORIES), ids=str)
+@pytest.mark.parametrize("length", [1, 2, 3, 16, 1024])
+@pytest.mark.parametrize("algo,margin,role", [("max", 0, "input"), ("most_recent", 0, "grad"),
+                                              ("max", 3, "grad"), ("most_recent", 1, "weight")], ids=str)
+def test_delayed_update_kernel_matches_the_torch_code(device, kernels_on, algo, margin, role, length, history):
+    from te_func.quant.delayed import delayed_update
+    recipe = DelayedScaling(amax_history_len=length, amax_compute_algo=algo, margin=margin)
+    state = DelayedState(HISTORIES[history](torch.rand(length, device=device) * 100), torch.tensor(3.5, device=device))
+    fused, reference = both_paths(lambda: delayed_update(state, recipe, role))
+    assert_same_bits(fused, reference)
+    assert fused.scale.shape == () and fused.amax_history.data_ptr() != state.amax_history.data_ptr()
+
+
+@gpu
+@pytest.mark.parametrize("amax", [0.0, 0.5, 7.0, float("inf"), float("nan")], ids=str)
+@pytest.mark.parametrize("history", ["random", "idle-step", "nan"], ids=str)
+@pytest.mark.parametrize("length", [1, 5, 1024])
+def test_delayed_record_kernel_matches_the_torch_code(device, kernels_on, length, history, amax):
+    from te_func.quant.tensor import record_amax
+    state = DelayedState(HISTORIES[history](torch.rand(length, device=device) * 10), torch.tensor(3.5, device=device))
+    cast_amax = torch.tensor(amax, device=device)
+    fused, reference = both_paths(lambda: record_amax(state, cast_amax))
+    assert_same_bits(fused, reference)
+    assert fused.scale is state.scale
+
+
+@gpu
+def test_delayed_kernels_leave_batched_histories_to_the_torch_code(device, kernels_on):
+    """Under vmap (an ensemble's states) each member keeps its own history: the torch code."""
+    from te_func.quant.delayed import delayed_update
+    recipe = DelayedScaling(amax_history_len=8)
+    states = DelayedState(torch.rand(3, 8, device=device), torch.ones(3, device=device))
+    before = dispatch.calls["fused"]
+    got = torch.func.vmap(lambda s: delayed_update(s, recipe, "input"))(states)
+    assert dispatch.calls["fused"] == before
+    for i in range(3):
+        assert_same_bits(DelayedState(got.amax_history[i], got.scale[i]),
+                         delayed_update(DelayedState(states.amax_history[i], states.scale[i]), recipe, "input"))
+
+
 def test_cpu_tensors_take_the_torch_path(kernels_on):
     if INTERPRET:
         pytest.skip("the interpreter runs the kernels on CPU")
@@ -486,6 +537,20 @@ def test_every_norm_kernel_variant_compiles_for_hopper(block_n, rms, x_dtype):
         "rows_per_program": "i32", "inv_n": "fp32"}, {"RMS": rms, "BLOCK_N": block_n}, fp_fusion=False)
     # no fused multiply-add: each product rounded, as torch's separate ops round it
     assert "atom" in fwd and "fma.rn.f32" not in fwd and "fma.rn.f32" not in bwd
+
+
+@pytest.mark.parametrize("most_recent", [False, True], ids=["max", "most_recent"])
+def test_delayed_kernels_compile_for_hopper(most_recent):
+    if INTERPRET:
+        pytest.skip("the interpreter does not compile")
+    pytest.importorskip("triton")
+    from te_func.kernels import delayed
+    update = _compile_for_hopper(delayed._update_kernel, {
+        "h_ptr": "*fp32", "scale_ptr": "*fp32", "h_out_ptr": "*fp32", "scale_out_ptr": "*fp32", "L": "i32",
+        "scaled_max": "fp32"}, {"MOST_RECENT": most_recent, "BLOCK": 1024})
+    record = _compile_for_hopper(delayed._record_kernel, {"h_ptr": "*fp32", "amax_ptr": "*fp32",
+                                                          "h_out_ptr": "*fp32", "L": "i32"}, {"BLOCK": 1024})
+    assert "div.rn.f32" in update and "st.global" in record        # the scale: one correctly rounded division
 
 
 @gpu

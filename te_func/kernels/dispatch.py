@@ -9,6 +9,10 @@ bit-identical either way, so that choice never changes numerics; the norms'
 added in another order (as torch's own reductions differ between eager and
 inductor).
 
+`delayed_update` and `delayed_record` do DelayedScaling's per-role bookkeeping (the
+new scale and the rolled history; a cast's amax into the current slot) in one launch
+each, with the torch code's bits.
+
 `activation` computes LayerNormMLP's GELU, or its input gradient, with the amax
 (and the column sums: fc1's bias gradient) on the way, so that its cast takes
 one more pass instead of two, as TE's fused activation kernels do. Under
@@ -24,8 +28,8 @@ import os
 import torch
 from torch._C import _functorch
 
-__all__ = ["activation", "cast_kernels_available", "norm_backward", "norm_forward", "set_cast_kernels",
-           "tensorwise_cast"]
+__all__ = ["activation", "cast_kernels_available", "delayed_record", "delayed_update", "norm_backward",
+           "norm_forward", "set_cast_kernels", "tensorwise_cast"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_NUMEL = 2**31 - 2**24     # int32 indexing in the kernels
@@ -44,6 +48,16 @@ def _norm_module():
     except Exception:   # as _cast_module
         return None
     return norm
+
+
+@functools.cache
+def _delayed_module():
+    """te_func.kernels.delayed, or None where Triton is missing or cannot import."""
+    try:
+        from . import delayed
+    except Exception:   # as _cast_module
+        return None
+    return delayed
 
 
 @functools.cache
@@ -210,3 +224,45 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, 
             rsigma_p.float().reshape(-1).contiguous(), g_p.float().contiguous(), mean is None)
         calls["fused"] += 1
         return out
+
+
+def _history_module(history: torch.Tensor, *others: torch.Tensor):
+    # A DelayedScaling history on eager CUDA: fp32, 1-D, within one program of the kernels.
+    # _applies first: it says no under torch.compile before anything else is traced.
+    if not _applies(history) or history.dtype != torch.float32 or history.dim() != 1 \
+            or any(t.dtype != torch.float32 or t.numel() != 1 or t.device != history.device for t in others):
+        return None
+    module = _delayed_module()
+    return None if module is None or history.numel() > module.MAX_HISTORY else module
+
+
+def delayed_update(history: torch.Tensor, scale: torch.Tensor, scaled_max: float, most_recent: bool):
+    """te_func.quant.delayed.delayed_update's arithmetic by one kernel, or None where it does not
+    apply: history (L,) and scale () fp32 -> (new history, new scale), the torch code's bits.
+    scaled_max: fp8_max * 2**-margin; most_recent: amax_compute_algo "most_recent" (else "max")."""
+    module = _history_module(history, scale)
+    if module is None:
+        return None
+    with torch._C._DisableFuncTorch():
+        plain = _plain_all(history, scale)
+        if plain is None:
+            return None
+        h, s = (t.contiguous() for t in plain)
+        h_out, s_out = module.update(h, s.reshape(()), scaled_max, most_recent)
+        calls["fused"] += 1
+        return h_out, s_out.reshape(scale.shape)
+
+
+def delayed_record(history: torch.Tensor, amax: torch.Tensor):
+    """history (L,) fp32 with max(history[0], amax) in slot 0 (NaN if either is), by one kernel,
+    or None where it does not apply (te_func.quant.tensor.record_amax)."""
+    module = _history_module(history, amax)
+    if module is None:
+        return None
+    with torch._C._DisableFuncTorch():
+        plain = _plain_all(history, amax)
+        if plain is None:
+            return None
+        h, a = (t.contiguous() for t in plain)
+        calls["fused"] += 1
+        return module.record(h, a.reshape(()))

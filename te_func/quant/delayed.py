@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import delayed_update as fused_update
 from ..recipe import DelayedScaling
 from .scheme import scheme_for
 from .tensor import DelayedState
@@ -42,14 +43,17 @@ def delayed_update(state: DelayedState, recipe: DelayedScaling, role: str) -> De
     history are skipped by the max, as TE's fmax does.
     """
     history, scale = state
+    # TE's arithmetic: (fp8_max * 2**-margin) / amax, one fp32 division.
+    scaled_max = scheme_for(recipe, role).fp8_max * 2.0 ** -recipe.margin
+    fused = fused_update(history, scale, scaled_max, recipe.amax_compute_algo != "max")
+    if fused is not None:      # eager CUDA: one kernel, these bits (te_func.kernels.delayed)
+        return DelayedState(*fused)
     last = history[0]
     if recipe.amax_compute_algo == "max":
         amax = torch.amax(torch.where(torch.isnan(history), 0.0, history))
     else:
         amax = last
     amax = torch.where(last == 0, 0.0, amax)
-    # TE's arithmetic: (fp8_max * 2**-margin) / amax, one fp32 division.
-    scaled_max = scheme_for(recipe, role).fp8_max * 2.0 ** -recipe.margin
     new_scale = torch.full_like(amax, scaled_max) / amax
     new_scale = torch.where((amax > 0) & torch.isfinite(amax), new_scale, scale)
     new_scale = torch.where(torch.isinf(new_scale), torch.finfo(torch.float32).max, new_scale)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
-from ..kernels import tensorwise_cast
+from ..kernels import delayed_record, tensorwise_cast
 from . import nvfp4
 from .scheme import Scheme, e8m0_scale_inv, e8m0_to_float, scale_from_amax, scheme_for
 
@@ -181,6 +181,9 @@ def record_amax(state: DelayedState, amax: torch.Tensor) -> DelayedState:
     if history is None:
         return state
     # Several casts in one step (microbatches) share one slot: keep the largest.
+    fused = delayed_record(history, amax)       # eager CUDA: one kernel, the same bits
+    if fused is not None:
+        return DelayedState(fused, state.scale)
     return DelayedState(torch.cat([torch.maximum(history[:1], amax.reshape(1)), history[1:]]), state.scale)
 
 
