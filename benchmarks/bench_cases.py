@@ -157,8 +157,19 @@ def _compile(fn, w: Workload):
     return torch.compile(fn, fullgraph=True) if w.compiled else fn
 
 
-def build(variant: str, w: Workload, inputs: Inputs, compile_ok: bool) -> Step:
-    """The step of `variant` on workload `w`; raises what the variant raises when it cannot run."""
+def keeps_weight_cache(w: Workload, keep_always: bool) -> bool:
+    """Whether te_func's workspaces keep the weight casts on `w`: only where a call reads them
+    again (microbatches with the cache, inference), unless `keep_always`. Elsewhere every call
+    casts its weights (is_first_microbatch None), as TE's do, and a cache would only hold memory
+    (tef.init_workspaces(..., weight_cache=False))."""
+    return keep_always or w.kind in ("train8_cache", "infer")
+
+
+def build(variant: str, w: Workload, inputs: Inputs, compile_ok: bool, keep_weight_cache: bool = False) -> Step:
+    """The step of `variant` on workload `w`; raises what the variant raises when it cannot run.
+    keep_weight_cache: te_func's workspaces keep the weight casts on every workload (see
+    `keeps_weight_cache`)."""
+    cache = keeps_weight_cache(w, keep_weight_cache)
     if not compile_ok:
         w = Workload(w.name, w.kind, w.shape, compiled=False)
     if w.kind == "cast" and (variant not in TE_RECIPES or TE_RECIPES[variant] is None):
@@ -166,15 +177,15 @@ def build(variant: str, w: Workload, inputs: Inputs, compile_ok: bool) -> Step:
     if w.kind.startswith("per_sample"):
         if variant in STATEFUL:
             raise NotApplicable("the Stateful variants are measured on training workloads")
-        return _per_sample_step(variant, w, inputs)
+        return _per_sample_step(variant, w, inputs, cache)
     if w.kind == "llama":
-        return _llama_step(variant, w, inputs)
+        return _llama_step(variant, w, inputs, cache)
     if variant in STATEFUL:
         if w.kind not in ("mlp", "linear", "train8_cache", "train8_nocache"):
             raise NotApplicable("the Stateful variants are measured on training workloads")
-        return _te_stateful_step(TE_RECIPES[STATEFUL[variant]], w, inputs)
+        return _te_stateful_step(TE_RECIPES[STATEFUL[variant]], w, inputs, cache)
     if variant in TE_RECIPES:
-        return _te_step(TE_RECIPES[variant], w, inputs)
+        return _te_step(TE_RECIPES[variant], w, inputs, cache)
     if variant in AO_RECIPES:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         model = _torch_block(w, inputs.device)
@@ -222,7 +233,7 @@ def _torch_step(model: nn.Module, w: Workload, inputs: Inputs, note: str) -> Ste
     return Step(fwd_bwd, _nbytes(list(model.parameters()), x, dy), note, reset)
 
 
-def _per_sample_step(variant: str, w: Workload, inputs: Inputs) -> Step:
+def _per_sample_step(variant: str, w: Workload, inputs: Inputs, cache: bool) -> Step:
     """Every sample's gradients of every parameter, loss = sum(out * dy) per sample: te_func's
     tef.per_sample_grad (scope "sample" or, for per_sample_batch, "batch"), the torch and
     torchao blocks' torch.func.vmap(torch.func.grad(...)); the whole of it compiled."""
@@ -232,7 +243,7 @@ def _per_sample_step(variant: str, w: Workload, inputs: Inputs) -> Step:
         recipe = TE_RECIPES[variant]
         model, note = _te_block(w, inputs.device)
         params = {k: v.detach() for k, v in model.named_parameters()}
-        ws = tef.init_workspaces(model, recipe)
+        ws = tef.init_workspaces(model, recipe, weight_cache=cache)
 
         def loss_fn(params, ws, x, dy):
             out, new_ws = tef.functional_call(model, params, ws, (x,), recipe=recipe)
@@ -256,12 +267,13 @@ def _per_sample_step(variant: str, w: Workload, inputs: Inputs) -> Step:
     return Step(lambda: step(params, x, dy), _nbytes(params, x, dy), note)
 
 
-def _te_step(recipe, w: Workload, inputs: Inputs) -> Step:
-    """te_func's functional step: tef.value_and_grad over tef.functional_call, compiled whole."""
+def _te_step(recipe, w: Workload, inputs: Inputs, cache: bool) -> Step:
+    """te_func's functional step: tef.value_and_grad over tef.functional_call, compiled whole.
+    cache: the workspaces keep the weight casts (`keeps_weight_cache`)."""
     t, h, _ = w.shape
     model, note = _te_block(w, inputs.device)
     params = {k: v.detach() for k, v in model.named_parameters()}
-    ws = tef.init_workspaces(model, recipe)
+    ws = tef.init_workspaces(model, recipe, weight_cache=cache)
 
     def loss_fn(params, ws, x, dy, first):
         out, new_ws = tef.functional_call(model, params, ws, (x,), recipe=recipe, is_first_microbatch=first)
@@ -287,7 +299,7 @@ def _te_step(recipe, w: Workload, inputs: Inputs) -> Step:
 
     if w.kind.startswith("train8"):
         xs, dys = inputs.get(t, h, _out_features(w), 8)
-        cache = w.kind == "train8_cache"
+        reuse = w.kind == "train8_cache"
 
         def micro(params, ws, acc, x, dy, first):
             # The loss is returned: a step that drops it lets the compiler drop fc2's forward
@@ -300,7 +312,7 @@ def _te_step(recipe, w: Workload, inputs: Inputs) -> Step:
         def train():
             acc, state = None, ws
             for i in range(8):
-                _, acc, state = micro(params, state, acc, xs[i], dys[i], (i == 0) if cache else None)
+                _, acc, state = micro(params, state, acc, xs[i], dys[i], (i == 0) if reuse else None)
             return acc, state
         return Step(train, _nbytes(params, ws, xs, dys), note)
 
@@ -309,11 +321,11 @@ def _te_step(recipe, w: Workload, inputs: Inputs) -> Step:
     return Step(lambda: step(params, ws, x, dy, None), _nbytes(params, ws, x, dy), note)
 
 
-def _te_stateful_step(recipe, w: Workload, inputs: Inputs) -> Step:
+def _te_stateful_step(recipe, w: Workload, inputs: Inputs, cache: bool) -> Step:
     """tef.Stateful compiled whole, `sum(shell(x) * dy).backward()`: what a module user runs."""
     t, h, _ = w.shape
     model, note = _te_block(w, inputs.device)
-    shell = tef.Stateful(model, recipe)
+    shell = tef.Stateful(model, recipe, weight_cache=cache)
     # The loss compiled with the model, as torch's step compiles it: left eager, its multiply,
     # fp32 copy and sum (and their backward) cost ~0.6 ms at 16384x4096.
     loss_of = _compile(lambda x, dy, first: (shell(x, is_first_microbatch=first) * dy).float().sum(), w)
@@ -323,12 +335,12 @@ def _te_stateful_step(recipe, w: Workload, inputs: Inputs) -> Step:
 
     if w.kind.startswith("train8"):
         xs, dys = inputs.get(t, h, _out_features(w), 8)
-        cache = w.kind == "train8_cache"
+        reuse = w.kind == "train8_cache"
 
         def train():
             reset()
             for i in range(8):
-                loss_of(xs[i], dys[i], (i == 0) if cache else None).backward()
+                loss_of(xs[i], dys[i], (i == 0) if reuse else None).backward()
         return Step(train, _nbytes(list(shell.parameters()), shell.workspaces, xs, dys), "tef.Stateful", reset)
 
     x, dy = inputs.get(t, h, _out_features(w))
@@ -341,7 +353,7 @@ def _te_stateful_step(recipe, w: Workload, inputs: Inputs) -> Step:
     return Step(fwd_bwd, _nbytes(list(shell.parameters()), shell.workspaces, x, dy), "tef.Stateful", reset)
 
 
-def _llama_step(variant: str, w: Workload, inputs: Inputs) -> Step:
+def _llama_step(variant: str, w: Workload, inputs: Inputs, cache: bool) -> Step:
     """One training step of the HF Llama: forward + backward + AdamW, compiled; lm_head in bf16."""
     from transformers import LlamaConfig, LlamaForCausalLM
     quick = w.shape[1] < 1024
@@ -364,6 +376,7 @@ def _llama_step(variant: str, w: Workload, inputs: Inputs) -> Step:
     else:
         variant_note = ""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
+    first = True if cache else None      # one microbatch: casts stored (and never read) or not kept
 
     if variant in (BASELINE, *AO_RECIPES) or variant in STATEFUL or variant == "te-bf16":
         recipe = None if variant in (BASELINE, *AO_RECIPES) else TE_RECIPES[STATEFUL.get(variant, variant)]
@@ -372,9 +385,9 @@ def _llama_step(variant: str, w: Workload, inputs: Inputs) -> Step:
             loss_of = lambda: fwd(input_ids=ids, labels=ids).loss  # noqa: E731
             ws = {}
         else:
-            shell = tef.Stateful(model, recipe)
+            shell = tef.Stateful(model, recipe, weight_cache=cache)
             fwd = torch.compile(shell, fullgraph=True) if w.compiled and not quick else shell
-            loss_of = lambda: fwd(input_ids=ids, labels=ids, is_first_microbatch=True).loss  # noqa: E731
+            loss_of = lambda: fwd(input_ids=ids, labels=ids, is_first_microbatch=first).loss  # noqa: E731
             ws = shell.workspaces
             variant_note += ", tef.Stateful"
 
@@ -385,12 +398,12 @@ def _llama_step(variant: str, w: Workload, inputs: Inputs) -> Step:
     elif variant in TE_RECIPES:
         recipe = TE_RECIPES[variant]
         params = dict(model.named_parameters())
-        ws = tef.init_workspaces(model, recipe)
+        ws = tef.init_workspaces(model, recipe, weight_cache=cache)
         state = {"ws": ws}
 
         def loss_fn(p, ws):
             out, new_ws = tef.functional_call(model, p, ws, (), {"input_ids": ids, "labels": ids}, recipe=recipe,
-                                              is_first_microbatch=True)
+                                              is_first_microbatch=first)
             return out.loss, new_ws
 
         grad_fn = tef.value_and_grad(loss_fn)

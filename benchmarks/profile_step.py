@@ -33,10 +33,10 @@ def is_gemm(name: str) -> bool:
     return not name.startswith(("triton_poi", "triton_red", "triton_per")) and any(m in name.lower() for m in GEMM_MARKS)
 
 
-def profile_case(case: str, device) -> dict:
+def profile_case(case: str, device, keep_weight_cache: bool = False) -> dict:
     wname, variant = case.split("/")
     w = next(w for w in workloads(False) if w.name == wname)
-    step = build(variant, w, Inputs(device), compile_ok=True)
+    step = build(variant, w, Inputs(device), compile_ok=True, keep_weight_cache=keep_weight_cache)
     for _ in range(3):
         step.fn()
     torch.cuda.synchronize()
@@ -69,6 +69,7 @@ def main():
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="a torch._inductor.config setting for every case (e.g. triton.prefer_nd_tiling=True)")
+    p.add_argument("--keep-weight-cache", action="store_true", help="as benchmarks/run.py's")
     args = p.parse_args()
     import torch._inductor.config as inductor_config
     for setting in args.inductor:
@@ -83,7 +84,7 @@ def main():
     summary = []
     for case in args.cases:
         try:
-            r = profile_case(case, device)
+            r = profile_case(case, device, args.keep_weight_cache)
         except Exception as e:     # one case failing must not lose the others' profiles
             summary.append({"case": case, "error": f"{type(e).__name__}: {e}"[:2000]})
             print(case, "failed:", summary[-1]["error"], flush=True)

@@ -108,7 +108,7 @@ def _error_detail(e: BaseException) -> str:
 def _warm(variant, w, inputs, args, device):
     """Build and call once (compiles). Returns (step or None, partial record)."""
     try:
-        step = cases.build(variant, w, inputs, compile_ok=not args.quick)
+        step = cases.build(variant, w, inputs, compile_ok=not args.quick, keep_weight_cache=args.keep_weight_cache)
         t0 = time.perf_counter()
         step.fn()
         _sync(device)
@@ -280,6 +280,9 @@ def main(argv=None):
                     help="stop building and compiling new cases after this many seconds (they are reported skipped)")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failing variants")
     ap.add_argument("--workload-timeout-s", type=float, default=900, help="per-workload process time limit")
+    ap.add_argument("--keep-weight-cache", action="store_true",
+                    help="te_func's workspaces keep the weight casts on every workload (default: only where a call "
+                         "reads them again, train8_cache and infer)")
     args = ap.parse_args(argv)
     args.warm_deadline = time.monotonic() + args.compile_budget_s
 

@@ -16,13 +16,13 @@ from torch import nn
 from . import distributed
 from .functional._common import first_microbatch
 from .nn import TEModule
-from .nn.context import CallScope, Frame, open_call_scopes, push, push_call_scope
+from .nn.context import NO_CACHE, CallScope, Frame, open_call_scopes, push, push_call_scope
 from .quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, Entry, fingerprint_entry
 from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling,
                      fingerprint)
 
 __all__ = ["init_workspaces", "functional_call", "autocast", "grad", "value_and_grad", "workspace_spec",
-           "batch_scope_spec", "validate_workspaces", "backward_keys", "upgrade_workspaces"]
+           "batch_scope_spec", "validate_workspaces", "keeps_weight_casts", "backward_keys", "upgrade_workspaces"]
 
 _RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling)
 
@@ -83,10 +83,16 @@ def _device_of(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
-def init_workspaces(model: nn.Module, recipe) -> dict[str, torch.Tensor]:
+def init_workspaces(model: nn.Module, recipe, *, weight_cache: bool = True) -> dict[str, torch.Tensor]:
     """Fresh workspaces for every te_func layer of `model` under `recipe`: a flat dict
     keyed by module path, like a state_dict, every entry on its layer's device. Weight
     casts are made from the model's current weights, so they are valid until the weights change.
+
+    weight_cache=False leaves the weight casts out: a call then casts each weight for itself
+    (is_first_microbatch None) and keeps no cast between calls, as TE keeps none for
+    is_first_microbatch=None. That is one FP8 copy of every GEMM weight in both layouts less
+    resident memory, and the casts a step makes are freed as its backward is done with them;
+    microbatches that reuse a cast (is_first_microbatch True / False) need the cache.
 
     On CUDA the entries are marked static addresses (torch._dynamo.mark_static_address):
     CUDA graphs (`torch.compile(mode="reduce-overhead")`) then read them in place, where a
@@ -99,8 +105,8 @@ def init_workspaces(model: nn.Module, recipe) -> dict[str, torch.Tensor]:
     ws = {}
     for path, m in _te_modules(model):
         # FSDP-sharded weights are cast whole, as one process casts them (collective: every rank calls this).
-        weights = distributed.cast_sources(path, m, units)
-        ws.update({_prefix(path) + k: v for k, v in m.init_workspace(recipe, weights, path).items()})
+        weights = distributed.cast_sources(path, m, units) if weight_cache else None
+        ws.update({_prefix(path) + k: v for k, v in m.init_workspace(recipe, weights, path, weight_cache).items()})
     ws[RECIPE_KEY] = fingerprint_entry(recipe, _device_of(model))
     mark_static(ws.values())
     return ws
@@ -177,17 +183,20 @@ def _made_for_problem(ws: dict, recipe) -> tuple[type, str] | None:
     return None
 
 
-def _entry_problems(model, ws, recipe, owners: dict):
+def _entry_problems(model, ws, recipe, owners: dict, dropped: set):
     """Yields (exception class, message) for each entry of `ws` that does not fit `model`
-    under `recipe`; fills `owners` with {id(module): (path, entry names, those backward reads as given)}."""
+    under `recipe`; fills `owners` with {id(module): (path, entry names, those backward reads as given)}
+    and `dropped` with the kinds of entries the model has and `ws` holds none of ("cast", "batch_amax")."""
     expected = {RECIPE_KEY}
     layers = _layer_specs(model, recipe, batch_scope=True)
-    # Batch scope (te_func.vmapped) adds every batch-scope entry of the model, or none.
-    batch_scope = any(_prefix(path) + k in ws for path, _, spec in layers for k, e in spec.items()
-                      if e.kind == "batch_amax")
+    # Batch scope (te_func.vmapped) adds every batch-scope entry of the model, or none; workspaces
+    # made with weight_cache=False hold no weight cast (init_workspaces), others every one.
+    for kind in ("batch_amax", "cast"):
+        keys = [_prefix(path) + k for path, _, spec in layers for k, e in spec.items() if e.kind == kind]
+        if keys and not any(k in ws for k in keys):
+            dropped.add(kind)
     for path, m, spec in layers:
-        if not batch_scope:
-            spec = {k: e for k, e in spec.items() if e.kind != "batch_amax"}
+        spec = {k: e for k, e in spec.items() if e.kind not in dropped}
         # What a call's backward depends on as the call was given it: the grad histories (their
         # gradient carries the backward amax) and the random streams (backward draws from them).
         owners[id(m)] = (path, tuple(spec), tuple(k for k, e in spec.items() if e.backward or e.stream))
@@ -200,6 +209,9 @@ def _entry_problems(model, ws, recipe, owners: dict):
             if t is None and e.kind == "batch_amax":
                 yield KeyError, (f"workspace entry {entry!r} is missing: batch-scope entries come all together "
                                  f"(tef.per_sample_grad(..., scope='batch') adds them for one call)")
+            elif t is None and e.kind == "cast":
+                yield KeyError, (f"workspace entry {entry!r} is missing: weight casts come all together (the "
+                                 f"workspaces of tef.init_workspaces(model, recipe, weight_cache=False) hold none)")
             elif t is None:
                 yield KeyError, (f"workspace entry {entry!r} is missing: these workspaces were not made for "
                                  f"this model (tef.init_workspaces(model, recipe) makes the right ones)")
@@ -228,18 +240,31 @@ def _shape_hint(got: tuple, want: tuple) -> str:
 def validate_workspaces(model, ws, recipe):
     """Check that `ws` holds every entry `model` needs under `recipe`, with the right
     shape, dtype and device, no other, and was made for `recipe`; raise an error naming
-    what does not fit (the recipe first, then the first entry).
+    what does not fit (the recipe first, then the first entry). Workspaces made with
+    weight_cache=False (init_workspaces) hold every entry but the weight casts.
 
     Returns {id(module): (its path, its entry names, those its backward reads as given)} for the frame.
     """
+    return _validate(model, ws, recipe)[0]
+
+
+def keeps_weight_casts(model, ws, recipe) -> bool:
+    """validate_workspaces, then whether `ws` keeps the weight casts: False for the workspaces
+    of init_workspaces(..., weight_cache=False) of a model with FP8 GEMMs."""
+    return _validate(model, ws, recipe)[1]
+
+
+def _validate(model, ws, recipe) -> tuple[dict, bool]:
+    """validate_workspaces' owners, and whether `ws` keeps weight casts (False for the
+    workspaces of init_workspaces(..., weight_cache=False) of a model with FP8 GEMMs)."""
     if not isinstance(ws, dict):
         raise TypeError(f"workspaces must be the dict from tef.init_workspaces(model, recipe), got {type(ws).__name__}")
     _check_recipe(recipe)
     layout = _layout_problem(ws)
     if layout is not None:
         raise ValueError(layout)
-    owners = {}
-    first_entry = next(_entry_problems(model, ws, recipe, owners), None)
+    owners, dropped = {}, set()
+    first_entry = next(_entry_problems(model, ws, recipe, owners, dropped), None)
     made_for = _made_for_problem(ws, recipe)
     if made_for is not None:
         cls, msg = made_for
@@ -247,7 +272,7 @@ def validate_workspaces(model, ws, recipe):
     if first_entry is not None:
         cls, msg = first_entry
         raise cls(msg)
-    return owners
+    return owners, "cast" not in dropped
 
 
 # torch.func.functional_call swaps the given tensors into the module's attributes for the
@@ -275,7 +300,8 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
     is_first_microbatch: None and True quantize the weights and store the casts
     in new_ws (None never reads them); False reuses a valid stored cast, else
     quantizes and stores. A layer called again within the call runs as False.
-    A layer's own `is_first_microbatch=` argument, when given, wins.
+    A layer's own `is_first_microbatch=` argument, when given, wins. Workspaces
+    made with weight_cache=False take None only, and new_ws holds no cast either.
 
     amax_group: under DelayedScaling(reduce_amax=True), the ranks this call's amaxes
     are all-reduced over (te_func.distributed.amax_reduction_group: None is the default
@@ -285,7 +311,9 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
     if recipe is not None and not _te_modules(model):
         raise ValueError(f"tef.functional_call: the model ({type(model).__name__}) has no te_func layers, so "
                          f"recipe={type(recipe).__name__} would change nothing; convert it first: tef.convert(model)")
-    owners = validate_workspaces(model, ws, recipe)
+    owners, weight_cache = _validate(model, ws, recipe)
+    if not weight_cache and is_first_microbatch is not None:
+        raise ValueError(NO_CACHE.format(who="tef.functional_call", value=is_first_microbatch))
     group = distributed.amax_reduction_group(recipe, amax_group)
     scopes = open_call_scopes()
     spec = workspace_spec(model, recipe) if scopes or group is not None else {}
@@ -300,7 +328,7 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
     args = args if isinstance(args, tuple) else (args,)
     frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"),
                   update_state=torch.is_grad_enabled(), batch_scales=any(s.batch_scales for s in scopes),
-                  watch=_watch)
+                  watch=_watch, weight_cache=weight_cache)
     with _model_lock(model), push(frame), distributed.gathered_params(model, params) as params:
         out = torch.func.functional_call(model, params, args, kwargs or {})
     new_ws = {**ws, **frame.updates}

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from . import distributed
-from .frame import (backward_keys, backward_weights, functional_call, init_workspaces, mark_static,
-                    upgrade_workspaces, validate_workspaces)
+from .frame import (backward_keys, backward_weights, functional_call, init_workspaces, keeps_weight_casts,
+                    mark_static, upgrade_workspaces, workspace_spec)
 from .nn import TEModule
 from .ops import on_backward
 from .quant.workspace import RECIPE_KEY
@@ -153,9 +153,12 @@ class Stateful(nn.Module):
     amax_group: with DelayedScaling(reduce_amax=True) under torch.distributed, the ranks
     whose amaxes are all-reduced, after each forward and each backward (None: the default
     group; see te_func.distributed.amax_reduction_group).
+
+    weight_cache=False keeps no weight casts between calls (tef.init_workspaces): less
+    resident memory for steps of one microbatch, which call with is_first_microbatch=None.
     """
 
-    def __init__(self, model: nn.Module, recipe, *, amax_group=None):
+    def __init__(self, model: nn.Module, recipe, *, amax_group=None, weight_cache: bool = True):
         super().__init__()
         if recipe is not None and not any(isinstance(m, TEModule) for m in model.modules()):
             raise ValueError(f"tef.Stateful: {type(model).__name__} has no te_func layers, so recipe="
@@ -164,9 +167,10 @@ class Stateful(nn.Module):
         self.model = model
         self.recipe = recipe
         self.amax_group = amax_group
+        self.weight_cache = weight_cache
         self._amax_reduction = distributed.amax_reduction_group(recipe, amax_group)
         self._pending_load = None
-        self._set_workspaces(init_workspaces(model, recipe))
+        self._set_workspaces(init_workspaces(model, recipe, weight_cache=weight_cache))
         self.register_load_state_dict_post_hook(_after_load)
 
     # --- workspaces, sinks and inboxes --------------------------------------------------------
@@ -250,7 +254,7 @@ class Stateful(nn.Module):
 
     def reset_workspaces(self):
         """Fresh workspaces from the current weights (e.g. after loading new weights)."""
-        self._set_workspaces(init_workspaces(self.model, self.recipe))
+        self._set_workspaces(init_workspaces(self.model, self.recipe, weight_cache=self.weight_cache))
 
     # --- the call -----------------------------------------------------------------------------
 
@@ -303,10 +307,17 @@ class Stateful(nn.Module):
             ws = upgrade_workspaces(ws, self.model, self.recipe)
         if ws:
             try:   # a clear error naming the recipe, or the missing or misshapen entry
-                validate_workspaces(self.model, ws, self.recipe)
+                holds_casts = keeps_weight_casts(self.model, ws, self.recipe)
             except (KeyError, ValueError) as e:
                 raise type(e)(f"Stateful.load_state_dict: the checkpoint does not fit this shell "
                               f"(recipe={self.recipe!r}): {e.args[0]}") from None
+            if self.weight_cache and not holds_casts:
+                raise ValueError("Stateful.load_state_dict: the checkpoint's workspaces keep no weight casts (saved "
+                                 "by a shell made with weight_cache=False) and this shell keeps them: load it into "
+                                 "tef.Stateful(model, recipe, weight_cache=False)")
+            if not self.weight_cache:    # casts are made from the weights: nothing is lost
+                spec = workspace_spec(self.model, self.recipe)
+                ws = {k: v for k, v in ws.items() if spec[k].kind != "cast"}
         self._pending_load = (ws, prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -359,7 +370,8 @@ class Stateful(nn.Module):
         self._make_sinks_and_inboxes()
 
     def extra_repr(self) -> str:
-        return f"recipe={self.recipe!r}" + ("" if self.amax_group is None else f", amax_group={self.amax_group!r}")
+        return (f"recipe={self.recipe!r}" + ("" if self.amax_group is None else f", amax_group={self.amax_group!r}")
+                + ("" if self.weight_cache else ", weight_cache=False"))
 
 
 def _format_of(ws: dict) -> int | None:

@@ -4,7 +4,8 @@ Columns: eager module call, tef.functional_call, tef.grad, torch.func.vmap
 (per-sample gradients and a stacked ensemble), tef.per_sample_grad in both
 quantization scopes (chunked and compiled too; HuggingFace models take each
 sample as a batch of one), torch.compile(fullgraph=True)
-of a whole train step, and tef.Stateful. Rows come from tests/cases.py, so a
+of a whole train step, and tef.Stateful; and workspaces without the weight
+cache through tef.grad, torch.compile and tef.Stateful. Rows come from tests/cases.py, so a
 new layer or recipe joins every column by adding one row there.
 
 Each column checks values against another column that is already trusted,
@@ -477,6 +478,49 @@ def test_stateful_backward_equals_grad_and_compiles(case, recipe):
         assert_grads_match(case, {k: p.grad for k, p in shell.model.named_parameters()}, want)
         assert_grads_match(case, shell.workspaces, ws)          # grad amaxes come from the gradients
     assert 1 <= counter.frame_count <= 2 or len(runs) == 1
+
+
+# --- workspaces without the weight cache ---------------------------------------------------------
+
+@pytest.mark.parametrize("case, recipe", MATRIX)
+def test_workspaces_without_weight_cache_train_as_the_cached_ones(case, recipe):
+    """tef.init_workspaces(..., weight_cache=False) holds every entry but the weight casts; tef.grad,
+    a compiled step and tef.Stateful on them compute what they compute on the cached workspaces
+    (is_first_microbatch None), bit for bit, and hand back no cast; True / False are refused."""
+    s = make_setup(case, recipe)
+    params, spec = detached_params(s.model), tef.workspace_spec(s.model, recipe)
+    full, bare = tef.init_workspaces(s.model, recipe), tef.init_workspaces(s.model, recipe, weight_cache=False)
+    uncached = lambda ws: {k: v for k, v in ws.items() if spec[k].kind != "cast"}   # noqa: E731
+    assert bare.keys() == uncached(full).keys()
+    assert_dicts_equal(bare, uncached(full))
+    start = bare
+    for _ in range(2):          # the second step starts from the first's state (DelayedScaling's scales)
+        want, full = tef.grad(s.loss_fn)(params, full, s.inputs, s.target)
+        got, bare = tef.grad(s.loss_fn)(params, bare, s.inputs, s.target)
+        assert_dicts_equal(got, want)
+        assert bare.keys() == uncached(full).keys()
+        assert_dicts_equal(bare, uncached(full))
+    if any(e.kind == "cast" for e in spec.values()):
+        for first in (True, False):
+            with pytest.raises(ValueError, match="keep none .*weight_cache=False"):
+                tef.functional_call(s.model, params, bare, s.inputs, s.kwargs, recipe=recipe, is_first_microbatch=first)
+
+    want, want_ws = tef.grad(s.loss_fn)(params, start, s.inputs, s.target)
+    rid = next(rid for rid, r in RECIPES if r is recipe)
+    # Compiled on one layer of two GEMMs and on a converted HF model (CI time): what differs from
+    # the cached workspaces' compiled steps, run for every row above, is the absent entries alone.
+    if case.name in ("LayerNormMLP-gelu", "HF-Llama") and (case.slow_recipes is None or rid in case.slow_recipes):
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        got, got_ws = torch.compile(tef.grad(s.loss_fn), fullgraph=True, backend=counter)(params, start, s.inputs,
+                                                                                        s.target)
+        assert_dicts_equal(got, want)
+        assert_dicts_equal(got_ws, want_ws)
+        assert counter.frame_count == 1
+    shell = tef.Stateful(copy.deepcopy(s.model), recipe, weight_cache=False)
+    s.loss(shell(*s.inputs, **s.kwargs), s.target).backward()
+    assert_grads_match(case, {k: p.grad for k, p in shell.model.named_parameters()}, want)
+    assert_grads_match(case, shell.workspaces, want_ws)
 
 
 # --- tef.freeze ---------------------------------------------------------------------------------

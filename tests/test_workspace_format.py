@@ -88,6 +88,68 @@ def test_safetensors_saves_a_stateful_checkpoint_and_the_round_trip_is_bit_ident
         assert got.dtype == v.dtype and torch.equal(bits(got), bits(v)), k
 
 
+def _no_casts(ws: dict) -> bool:
+    return not any("_cast." in k for k in ws)
+
+
+def test_workspaces_without_weight_cache_keep_no_cast_anywhere_between_calls():
+    """Nothing holds a cast after a call: not the workspaces, not the record kept for an
+    activation checkpoint's recompute (te_func.nn.context), not the shell's state_dict."""
+    from te_func.nn import context
+    recipe = DelayedScaling(amax_history_len=4)
+    model = torch.nn.Sequential(tef.nn.LayerNormLinear(32, 48), torch.nn.GELU(), tef.nn.LayerNormMLP(48, 64))
+    shell = tef.Stateful(model, recipe, weight_cache=False)
+    for _ in range(2):
+        shell(torch.randn(8, 32)).square().mean().backward()
+    assert _no_casts(shell.workspaces) and _no_casts(shell.state_dict())
+    assert all(_no_casts(context._last_calls[m].workspace) for m in (model[0], model[2]))
+    assert "weight_cache=False" in repr(shell)
+    with pytest.raises(ValueError, match="is_first_microbatch=True reads or stores cached weight casts"):
+        shell(torch.randn(8, 32), is_first_microbatch=True)
+
+
+def test_a_layers_own_is_first_microbatch_is_refused_without_the_cache():
+    class Calls(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = tef.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.fc(x, is_first_microbatch=False)
+    model, recipe = Calls(), Float8CurrentScaling()
+    ws = tef.init_workspaces(model, recipe, weight_cache=False)
+    with pytest.raises(ValueError, match="Linear at 'fc': is_first_microbatch=False"):
+        tef.functional_call(model, detached_params(model), ws, (torch.randn(4, 16),), recipe=recipe)
+    tef.functional_call(model, detached_params(model), tef.init_workspaces(model, recipe), (torch.randn(4, 16),),
+                        recipe=recipe)
+
+
+def test_some_casts_missing_is_an_error_naming_the_option():
+    model, recipe = tef.nn.LayerNormMLP(32, 64), Float8CurrentScaling()
+    ws = tef.init_workspaces(model, recipe)
+    ws.pop("fc2_weight_cast.data_t")
+    with pytest.raises(KeyError, match="fc2_weight_cast.data_t' is missing: weight casts come all together"):
+        tef.functional_call(model, detached_params(model), ws, (torch.randn(4, 32),), recipe=recipe)
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
+                         ids=lambda r: type(r).__name__)
+def test_checkpoints_move_between_shells_with_and_without_the_cache(recipe):
+    """A cached shell's checkpoint loads into one without the cache (its casts are dropped: they
+    are made from the weights); the other way round is refused, naming the option."""
+    model = tef.nn.LayerNormMLP(32, 64)
+    cached = tef.Stateful(model, recipe)
+    cached(torch.randn(8, 32)).square().mean().backward()
+    bare = tef.Stateful(copy.deepcopy(model), recipe, weight_cache=False)
+    bare.load_state_dict(cached.state_dict())
+    assert _no_casts(bare.workspaces)
+    x = torch.randn(8, 32)
+    assert torch.equal(bare(x), cached(x))
+    assert all(torch.equal(v, cached.workspaces[k]) for k, v in bare.workspaces.items())
+    with pytest.raises(ValueError, match="keep no weight casts .* weight_cache=False"):
+        tef.Stateful(copy.deepcopy(model), recipe).load_state_dict(bare.state_dict())
+
+
 class CachedForward(torch.nn.Module):
     """A model's forward with its cached weight casts, as a module of (params, ws, x)."""
 

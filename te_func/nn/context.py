@@ -68,6 +68,9 @@ class Frame:
     # Called with every layer's new entries (full keys) as it commits them (tef.Stateful
     # hears of backward-time state this way).
     watch: Callable[[dict], None] | None = None
+    # False for workspaces without weight casts (init_workspaces(..., weight_cache=False)): the
+    # layers' casts are not committed, and only is_first_microbatch=None is taken.
+    weight_cache: bool = True
 
 
 @dataclass
@@ -120,6 +123,12 @@ def current_frame() -> Frame | None:
     return stack[-1] if stack else None
 
 
+NO_CACHE = ("{who}: is_first_microbatch={value!r} reads or stores cached weight casts, and these workspaces "
+            "keep none (tef.init_workspaces(model, recipe, weight_cache=False)): pass is_first_microbatch=None, "
+            "which casts the weights in every call, or make the workspaces with the cache for microbatches "
+            "that reuse one cast")
+
+
 class Binding(NamedTuple):
     """What a module runs with, and where its new entries go."""
     recipe: object
@@ -168,6 +177,8 @@ def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
     # weight cast is reused.
     again = any(prefix + n in frame.updates for n in names)
     local = {n: frame.updates.get(prefix + n, frame.workspaces[prefix + n]) for n in names}
+    if is_first_microbatch is not None and not frame.weight_cache and module.gemms():
+        raise ValueError(NO_CACHE.format(who=f"{layer} at {path or '(root)'!r}", value=is_first_microbatch))
     ifm = is_first_microbatch if is_first_microbatch is not None else frame.is_first_microbatch
     if again:
         if isinstance(frame.recipe, DelayedScaling):
@@ -183,6 +194,8 @@ def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
 
     def commit(new_workspace: dict):
         _check_level(frame, layer, path, new_workspace)
+        if not frame.weight_cache:      # the call's casts die with it (nothing else holds them)
+            new_workspace = {k: v for k, v in new_workspace.items() if k in names}
         frame.updates.update({prefix + k: v for k, v in new_workspace.items()})
         if frame.watch is not None:
             frame.watch({prefix + k: v for k, v in new_workspace.items()})

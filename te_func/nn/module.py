@@ -37,9 +37,11 @@ class TEModule(nn.Module):
         """The entries a call in batch scope adds (te_func.quant.workspace's batch amaxes)."""
         return {k: e for g in self.gemms() for k, e in g.batch_entries(recipe).items()}
 
-    def init_workspace(self, recipe, weights: dict | None = None, path: str = "") -> dict[str, torch.Tensor]:
-        """Fresh entries: casts of the current weights, initial DelayedScaling states, NVFP4's
-        random streams (seeded by `path`, the layer's module path, and each GEMM's weight name).
+    def init_workspace(self, recipe, weights: dict | None = None, path: str = "",
+                       weight_cache: bool = True) -> dict[str, torch.Tensor]:
+        """Fresh entries: casts of the current weights (none without `weight_cache`), initial
+        DelayedScaling states, NVFP4's random streams (seeded by `path`, the layer's module path,
+        and each GEMM's weight name).
 
         weights: GEMM weight name -> the parameter's value to cast instead of the parameter (the
         frame passes the gathered weight of a parameter FSDP keeps sharded).
@@ -47,7 +49,7 @@ class TEModule(nn.Module):
         entries = {}
         for g in self.gemms():
             weight = self.gemm_weight(g.weight, (weights or {}).get(g.weight))
-            entries.update(g.write(g.init(weight, recipe, path), recipe))
+            entries.update(g.write(g.init(weight, recipe, path, cast=weight_cache), recipe))
         return entries
 
     def _run(self, op, *args, is_first_microbatch=None, **kwargs):

@@ -269,21 +269,21 @@ class Gemm:
             out[self.rng_name] = gw.rng
         return out
 
-    def init(self, weight: torch.Tensor, recipe, path: str = "") -> GemmWorkspace:
+    def init(self, weight: torch.Tensor, recipe, path: str = "", cast: bool = True) -> GemmWorkspace:
         """Fresh state: the cast of the current weight (with the initial scale, 1, under
-        DelayedScaling), TE's initial states (zero histories, scale 1) and, for NVFP4's
-        stochastic rounding, a stream whose seed is named by the layer's module `path` and
-        this GEMM's weight (so the same model always starts from the same streams, and no two
+        DelayedScaling; None without `cast`), TE's initial states (zero histories, scale 1) and,
+        for NVFP4's stochastic rounding, a stream whose seed is named by the layer's module `path`
+        and this GEMM's weight (so the same model always starts from the same streams, and no two
         GEMMs of a model share one), counter 0."""
         if recipe is None:
             return GemmWorkspace(None)
+        states = {role: init_delayed_state(recipe, weight.device) for role in ROLES_OF_GEMM} \
+            if isinstance(recipe, DelayedScaling) else {}
+        weight_cast = make_cast(weight.detach(), scheme_for(recipe, "weight"), states.get("weight"))[0] if cast else None
         if not isinstance(recipe, DelayedScaling):
-            cast, _ = make_cast(weight.detach(), scheme_for(recipe, "weight"))
             rng = init_rng_state(rng_seed(f"{path}.{self.weight}"), weight.device) if keeps_rng(recipe) else None
-            return GemmWorkspace(cast, rng=rng)
-        states = {role: init_delayed_state(recipe, weight.device) for role in ROLES_OF_GEMM}
-        cast, _ = make_cast(weight.detach(), scheme_for(recipe, "weight"), states["weight"])
-        return GemmWorkspace(cast, **states)
+            return GemmWorkspace(weight_cast, rng=rng)
+        return GemmWorkspace(weight_cast, **states)
 
 
 def _batch_scoped(recipe, role: str) -> bool:
