@@ -62,6 +62,25 @@ def test_the_profiler_tells_gemms_from_the_casts_named_after_them():
     assert not profile.is_gemm("void at::native::vectorized_elementwise_kernel<8, at::native::MulFunctor>")
 
 
+def test_the_peak_finder_lists_what_is_alive_at_the_peak_with_its_maker():
+    spec = importlib.util.spec_from_file_location("te_func_bench_peak", ROOT / "benchmarks" / "memory_at_peak.py")
+    peak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peak)
+    gen = [{"filename": "/tmp/torchinductor_u/ab/cab.py", "line": 7, "name": "call"},
+           {"filename": "/x/te_func/frame.py", "line": 3, "name": "f"}]
+    ours = [{"filename": "/usr/lib/torch/nn.py", "line": 1, "name": "g"}, {"filename": "/x/te_func/ops/gemm.py",
+                                                                            "line": 9, "name": "h"}]
+    events = [{"action": "alloc", "addr": 1, "size": 100, "frames": gen},
+              {"action": "alloc", "addr": 2, "size": 50, "frames": ours},
+              {"action": "free_requested", "addr": 1, "size": 100},      # not free until completed
+              {"action": "alloc", "addr": 3, "size": 30, "frames": []},
+              {"action": "free_completed", "addr": 1, "size": 100},
+              {"action": "alloc", "addr": 4, "size": 120, "frames": ours},
+              {"action": "free_completed", "addr": 4, "size": 120}]
+    assert peak.alive_at_peak(events) == (200, [(120, "gemm.py:9 h"), (50, "gemm.py:9 h"), (30, "?")])
+    assert peak.alive_at_peak(events[:4]) == (180, [(100, "cab.py:7 call"), (50, "gemm.py:9 h"), (30, "?")])
+
+
 def _eager_memory():
     spec = importlib.util.spec_from_file_location("te_func_bench_memory", ROOT / "benchmarks" / "eager_memory.py")
     module = importlib.util.module_from_spec(spec)
