@@ -12,7 +12,6 @@ torch's for an eager one) to DIR/memory_<case>.txt. What the case keeps between 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from bench_cases import Inputs, build, workloads  # noqa: E402
+from profile_step import each_case  # noqa: E402
 
 MiB = 2**20
 # The frame that says who made a tensor: generated code first, then te_func, then the benchmark.
@@ -85,22 +85,8 @@ def main():
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--keep-weight-cache", action="store_true", help="as benchmarks/run.py's")
     args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda", torch.cuda.current_device())
-    summary = []
-    for case in args.cases:
-        try:
-            r = memory_case(case, device, args.keep_weight_cache)
-        except Exception as e:     # one case failing must not lose the others'
-            summary.append({"case": case, "error": f"{type(e).__name__}: {e}"[:2000]})
-            print(case, "failed:", summary[-1]["error"], flush=True)
-            continue
-        (args.out / f"memory_{case.replace('/', '__')}.txt").write_text(r.pop("table") + "\n")
-        summary.append(r)
-        print(json.dumps(r), flush=True)
-        torch.compiler.reset()
-        torch.cuda.empty_cache()
-    (args.out / "memory.json").write_text(json.dumps(summary, indent=1))
+    each_case(args.cases, args.out, "memory", lambda case: memory_case(case, device, args.keep_weight_cache))
 
 
 if __name__ == "__main__":

@@ -79,22 +79,28 @@ def main():
         for part in path:
             owner = getattr(owner, part)
         setattr(owner, name, {"True": True, "False": False}.get(value, int(value) if value.isdigit() else value))
-    args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
+    each_case(args.cases, args.out, "profile", lambda case: profile_case(case, device, args.keep_weight_cache))
+
+
+def each_case(cases: list[str], out: Path, name: str, measure) -> None:
+    """measure(case) -> a dict with a "table" for each case: the table to out/{name}_<case>.txt,
+    the rest to out/{name}.json. A case that fails is recorded there; the others go on."""
+    out.mkdir(parents=True, exist_ok=True)
     summary = []
-    for case in args.cases:
+    for case in cases:
         try:
-            r = profile_case(case, device, args.keep_weight_cache)
-        except Exception as e:     # one case failing must not lose the others' profiles
+            r = measure(case)
+        except Exception as e:     # one case failing must not lose the others'
             summary.append({"case": case, "error": f"{type(e).__name__}: {e}"[:2000]})
             print(case, "failed:", summary[-1]["error"], flush=True)
             continue
-        (args.out / f"profile_{case.replace('/', '__')}.txt").write_text(r.pop("table") + "\n")
+        (out / f"{name}_{case.replace('/', '__')}.txt").write_text(r.pop("table") + "\n")
         summary.append(r)
         print(json.dumps(r), flush=True)
         torch.compiler.reset()
         torch.cuda.empty_cache()
-    (args.out / "profile.json").write_text(json.dumps(summary, indent=1))
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

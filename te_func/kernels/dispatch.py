@@ -226,43 +226,35 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, 
         return out
 
 
-def _history_module(history: torch.Tensor, *others: torch.Tensor):
-    # A DelayedScaling history on eager CUDA: fp32, 1-D, within one program of the kernels.
+def _delayed(history: torch.Tensor, other: torch.Tensor, launch):
+    """launch(kernel module, history, other as a 0-d tensor) on the plain tensors, for a
+    DelayedScaling history on eager CUDA (fp32, 1-D, within one program of the kernels) and
+    one fp32 number; else None."""
     # _applies first: it says no under torch.compile before anything else is traced.
     if not _applies(history) or history.dtype != torch.float32 or history.dim() != 1 \
-            or any(t.dtype != torch.float32 or t.numel() != 1 or t.device != history.device for t in others):
+            or other.dtype != torch.float32 or other.numel() != 1 or other.device != history.device:
         return None
     module = _delayed_module()
-    return None if module is None or history.numel() > module.MAX_HISTORY else module
+    if module is None or history.numel() > module.MAX_HISTORY:
+        return None
+    with torch._C._DisableFuncTorch():
+        plain = _plain_all(history, other)
+        if plain is None:
+            return None
+        h, o = (t.contiguous() for t in plain)
+        calls["fused"] += 1
+        return launch(module, h, o.reshape(()))
 
 
 def delayed_update(history: torch.Tensor, scale: torch.Tensor, scaled_max: float, most_recent: bool):
     """te_func.quant.delayed.delayed_update's arithmetic by one kernel, or None where it does not
     apply: history (L,) and scale () fp32 -> (new history, new scale), the torch code's bits.
     scaled_max: fp8_max * 2**-margin; most_recent: amax_compute_algo "most_recent" (else "max")."""
-    module = _history_module(history, scale)
-    if module is None:
-        return None
-    with torch._C._DisableFuncTorch():
-        plain = _plain_all(history, scale)
-        if plain is None:
-            return None
-        h, s = (t.contiguous() for t in plain)
-        h_out, s_out = module.update(h, s.reshape(()), scaled_max, most_recent)
-        calls["fused"] += 1
-        return h_out, s_out.reshape(scale.shape)
+    out = _delayed(history, scale, lambda module, h, s: module.update(h, s, scaled_max, most_recent))
+    return None if out is None else (out[0], out[1].reshape(scale.shape))
 
 
 def delayed_record(history: torch.Tensor, amax: torch.Tensor):
     """history (L,) fp32 with max(history[0], amax) in slot 0 (NaN if either is), by one kernel,
     or None where it does not apply (te_func.quant.tensor.record_amax)."""
-    module = _history_module(history, amax)
-    if module is None:
-        return None
-    with torch._C._DisableFuncTorch():
-        plain = _plain_all(history, amax)
-        if plain is None:
-            return None
-        h, a = (t.contiguous() for t in plain)
-        calls["fused"] += 1
-        return module.record(h, a.reshape(()))
+    return _delayed(history, amax, lambda module, h, a: module.record(h, a))
