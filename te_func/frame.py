@@ -17,7 +17,7 @@ from . import distributed
 from .functional._common import first_microbatch
 from .nn import TEModule
 from .nn.context import NO_CACHE, CallScope, Frame, open_call_scopes, push, push_call_scope
-from .quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, Entry, fingerprint_entry
+from .quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, Entry, fingerprint_entry, is_cast_key
 from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling,
                      fingerprint)
 
@@ -195,6 +195,8 @@ def _entry_problems(model, ws, recipe, owners: dict, dropped: set):
         keys = [_prefix(path) + k for path, _, spec in layers for k, e in spec.items() if e.kind == kind]
         if keys and not any(k in ws for k in keys):
             dropped.add(kind)
+    if "cast" in dropped and any(is_cast_key(k) for k in ws):    # casts, of another model's layers
+        dropped.remove("cast")
     for path, m, spec in layers:
         spec = {k: e for k, e in spec.items() if e.kind not in dropped}
         # What a call's backward depends on as the call was given it: the grad histories (their
@@ -209,12 +211,11 @@ def _entry_problems(model, ws, recipe, owners: dict, dropped: set):
             if t is None and e.kind == "batch_amax":
                 yield KeyError, (f"workspace entry {entry!r} is missing: batch-scope entries come all together "
                                  f"(tef.per_sample_grad(..., scope='batch') adds them for one call)")
-            elif t is None and e.kind == "cast":
-                yield KeyError, (f"workspace entry {entry!r} is missing: weight casts come all together (the "
-                                 f"workspaces of tef.init_workspaces(model, recipe, weight_cache=False) hold none)")
             elif t is None:
                 yield KeyError, (f"workspace entry {entry!r} is missing: these workspaces were not made for "
-                                 f"this model (tef.init_workspaces(model, recipe) makes the right ones)")
+                                 f"this model (tef.init_workspaces(model, recipe) makes the right ones)"
+                                 + ("; weight casts come all together, or none at all (weight_cache=False)"
+                                    if e.kind == "cast" else ""))
             elif tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
                 yield ValueError, (f"workspace entry {entry!r} has shape {tuple(t.shape)} and dtype {t.dtype}, "
                                    f"but {type(m).__name__} at {path or '(root)'!r} needs {tuple(e.shape)} "

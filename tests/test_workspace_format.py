@@ -128,7 +128,7 @@ def test_some_casts_missing_is_an_error_naming_the_option():
     model, recipe = tef.nn.LayerNormMLP(32, 64), Float8CurrentScaling()
     ws = tef.init_workspaces(model, recipe)
     ws.pop("fc2_weight_cast.data_t")
-    with pytest.raises(KeyError, match="fc2_weight_cast.data_t' is missing: weight casts come all together"):
+    with pytest.raises(KeyError, match="fc2_weight_cast.data_t' is missing: .*weight casts come all together"):
         tef.functional_call(model, detached_params(model), ws, (torch.randn(4, 32),), recipe=recipe)
 
 

@@ -64,7 +64,7 @@ from .scheme import Scheme, scheme_for
 from .tensor import BatchAmax, DelayedState, Quantized, quantize_with_transpose
 
 __all__ = ["FORMAT_VERSION", "RECIPE_KEY", "RECIPE_ENTRY", "CAST_FIELDS", "CarriedCast", "KINDS", "Entry", "Gemm",
-           "GemmWorkspace", "WeightCast", "cast_entries", "cast_from_flat", "cast_to_flat", "make_cast",
+           "GemmWorkspace", "WeightCast", "cast_entries", "is_cast_key", "cast_from_flat", "cast_to_flat", "make_cast",
            "fingerprint_entry", "ROLES_OF_GEMM", "keeps_rng"]
 
 # 1: te_func 0.1 (recipe repr and made_by= in key names); 2: this module.
@@ -127,6 +127,12 @@ CAST_FIELDS = ("data", "scale_inv", "data_t", "scale_inv_t", "global_amax")
 def _shared_scale(s: Scheme) -> bool:
     # A tensor-wise cast and the cast of its transpose decode with the same one number.
     return s.block is None
+
+
+def is_cast_key(key: str) -> bool:
+    """Whether `key` (op-local or prefixed with a module path) names a weight cast's entry."""
+    head, _, field = key.rpartition(".")
+    return head.endswith("_cast") and field in CAST_FIELDS
 
 
 def cast_entries(shape: tuple[int, int], s: Scheme) -> dict[str, Entry]:
