@@ -485,8 +485,9 @@ def test_stateful_backward_equals_grad_and_compiles(case, recipe):
 @pytest.mark.parametrize("case, recipe", MATRIX)
 def test_workspaces_without_weight_cache_train_as_the_cached_ones(case, recipe):
     """tef.init_workspaces(..., weight_cache=False) holds every entry but the weight casts; tef.grad,
-    a compiled step and tef.Stateful on them compute what they compute on the cached workspaces
-    (is_first_microbatch None), bit for bit, and hand back no cast; True / False are refused."""
+    a compiled step, per-sample gradients and tef.Stateful on them compute what they compute on the
+    cached workspaces (is_first_microbatch None), bit for bit, and hand back no cast; True / False
+    are refused."""
     s = make_setup(case, recipe)
     params, spec = detached_params(s.model), tef.workspace_spec(s.model, recipe)
     full, bare = tef.init_workspaces(s.model, recipe), tef.init_workspaces(s.model, recipe, weight_cache=False)
@@ -517,6 +518,14 @@ def test_workspaces_without_weight_cache_train_as_the_cached_ones(case, recipe):
         assert_dicts_equal(got, want)
         assert_dicts_equal(got_ws, want_ws)
         assert counter.frame_count == 1
+    if case.name == "LayerNormMLP-gelu":      # per-sample gradients (vmap), samples as the quantization wants
+        p = make_setup(case, recipe, **per_sample_shape(case, recipe))
+        got, got_ws = p.per_sample_grad()(params, tef.init_workspaces(p.model, recipe, weight_cache=False),
+                                          p.inputs, p.target)
+        want, want_ws = p.per_sample_grad()(params, tef.init_workspaces(p.model, recipe), p.inputs, p.target)
+        assert_dicts_equal(got, want)
+        assert_dicts_equal(got_ws, uncached(want_ws))
+        want, want_ws = tef.grad(s.loss_fn)(params, start, s.inputs, s.target)
     shell = tef.Stateful(copy.deepcopy(s.model), recipe, weight_cache=False)
     s.loss(shell(*s.inputs, **s.kwargs), s.target).backward()
     assert_grads_match(case, {k: p.grad for k, p in shell.model.named_parameters()}, want)
