@@ -75,8 +75,8 @@ def memory_case(case: str, device, keep_weight_cache: bool) -> dict:
     lines = [f"{case}: kept between calls {step.resident_bytes / 2**30:.3f} GiB, the call's peak above that "
              f"{peak / 2**30:.3f} GiB, {len(alive)} allocations alive at the peak:", ""]
     lines += [f"{size / MiB:9.1f} MiB  {maker}" for size, maker in alive]
-    return {"case": case, "resident_gib": round(step.resident_bytes / 2**30, 3), "peak_above_gib": round(peak / 2**30, 3),
-            "table": "\n".join(lines)}
+    return {"case": case, "resident_gib": round(step.resident_bytes / 2**30, 3),
+            "peak_above_gib": round(peak / 2**30, 3), "table": "\n".join(lines)}
 
 
 def main():

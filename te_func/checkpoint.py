@@ -69,7 +69,8 @@ def checkpoint(function, *args, **kwargs):
     as_given = frozenset(k for path, _, given in owners.values() for k in _full(path, given))
     block = _Block(call, module, tuple(None if isinstance(v, torch.Tensor) else v for v in leaves), spec,
                    tensors, names, keys, as_given, frame.workspaces is not None, frame.recipe,
-                   owners, frame.is_first_microbatch, frame.update_state, frame.batch_scales, [None])
+                   owners, frame.is_first_microbatch, frame.update_state, frame.batch_scales, frame.weight_cache,
+                   [None])
     outputs = _Checkpoint.apply(block, *(leaves[i] for i in tensors), *params, *entries)
     spec, static = block.out[0]
     n_out = sum(v is None for v in static)
@@ -136,6 +137,7 @@ class _Block:
     is_first_microbatch: object
     update_state: object
     batch_scales: bool
+    weight_cache: bool
     # [(pytree spec of the outputs, their leaves with None for each tensor)], set by the forward:
     # tensors go through the Function, anything else (a HuggingFace cache object) as the forward left it.
     out: list
@@ -154,7 +156,7 @@ class _Block:
         ws = dict(zip(self.keys, entries))
         frame = Frame(self.recipe, ws if self.keeps_state else None, self.owners,
                       False if recompute else self.is_first_microbatch, update_state=self.update_state,
-                      batch_scales=self.batch_scales)
+                      batch_scales=self.batch_scales, weight_cache=self.weight_cache)
         # tie_weights as torch.func.functional_call: a tied parameter (GPT-2's lm_head) is listed once.
         with push(frame), _reparametrize_module(self.module, dict(zip(self.names, params)), tie_weights=True):
             out = self.call(*args, **kwargs)

@@ -74,6 +74,21 @@ def test_checkpointed_grad_equals_the_plain_one_over_microbatches(recipe):
     assert [b.calls for b in plain.blocks] == [3, 3] and [b.calls for b in ckpt.blocks] == [6, 6]
 
 
+@pytest.mark.parametrize("recipe", FP8)
+def test_checkpointed_blocks_on_workspaces_without_the_weight_cache(recipe):
+    """The recompute casts the weights again (the forward's casts are not kept): gradients and
+    workspaces are those of the un-checkpointed model with the cache, and no cast comes back."""
+    plain, ckpt = pair()
+    x = torch.randn(4, 8, 32)
+    params = detached_params(plain)
+    want, want_ws = tef.grad(loss_of(plain, recipe))(params, tef.init_workspaces(plain, recipe), x, None)
+    got, got_ws = tef.grad(loss_of(ckpt, recipe))(params, tef.init_workspaces(ckpt, recipe, weight_cache=False),
+                                                  x, None)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert not any("_cast." in k for k in got_ws) and all(torch.equal(v, want_ws[k]) for k, v in got_ws.items())
+    assert [b.calls for b in ckpt.blocks] == [2, 2]
+
+
 def test_checkpointed_per_sample_and_compiled():
     """tef.per_sample_grad (both scopes) and torch.compile(tef.grad(...), fullgraph=True) of the
     checkpointed model equal the plain model's (current scaling: the scope matters there; the

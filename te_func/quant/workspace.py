@@ -285,7 +285,8 @@ class Gemm:
             return GemmWorkspace(None)
         states = {role: init_delayed_state(recipe, weight.device) for role in ROLES_OF_GEMM} \
             if isinstance(recipe, DelayedScaling) else {}
-        weight_cast = make_cast(weight.detach(), scheme_for(recipe, "weight"), states.get("weight"))[0] if cast else None
+        weight_cast = make_cast(weight.detach(), scheme_for(recipe, "weight"), states.get("weight"))[0] \
+            if cast else None
         if not isinstance(recipe, DelayedScaling):
             rng = init_rng_state(rng_seed(f"{path}.{self.weight}"), weight.device) if keeps_rng(recipe) else None
             return GemmWorkspace(weight_cast, rng=rng)
