@@ -12,6 +12,7 @@ torch's for an eager one) to DIR/memory_<case>.txt. What the case keeps between 
 from __future__ import annotations
 
 import argparse
+import linecache
 import sys
 from pathlib import Path
 
@@ -29,11 +30,16 @@ MARKS = ("torchinductor", "te_func", "benchmarks")
 
 
 def _maker(frames: list[dict]) -> str:
-    for mark in MARKS:
-        for f in frames:
-            if mark in f["filename"]:
-                return f"{Path(f['filename']).name}:{f['line']} {f['name']}"
-    return next((f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames), "?")
+    f = next((f for mark in MARKS for f in frames if mark in f["filename"]), frames[0] if frames else None)
+    if f is None:
+        return "?"
+    where = f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+    if "torchinductor" not in f["filename"]:
+        return where
+    # Generated code: the allocation and the lines after it say what fills the buffer (a kernel
+    # named after its ops, or an extern GEMM), and inductor's comments name the source ops.
+    text = [linecache.getline(f["filename"], f["line"] + i).strip() for i in range(4)]
+    return f"{where}  | " + " | ".join(t[:110] for t in text if t)
 
 
 def alive_at_peak(events: list[dict]) -> tuple[int, list[tuple[int, str]]]:
