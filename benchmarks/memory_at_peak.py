@@ -38,8 +38,8 @@ def _maker(frames: list[dict]) -> str:
         return where
     # Generated code: the allocation and the lines after it say what fills the buffer (a kernel
     # named after its ops, or an extern GEMM), and inductor's comments name the source ops.
-    text = [linecache.getline(f["filename"], f["line"] + i).strip() for i in range(4)]
-    return f"{where}  | " + " | ".join(t[:110] for t in text if t)
+    text = [t[:110] for t in (linecache.getline(f["filename"], f["line"] + i).strip() for i in range(4)) if t]
+    return " | ".join([where, *text])
 
 
 def alive_at_peak(events: list[dict]) -> tuple[int, list[tuple[int, str]]]:
