@@ -366,6 +366,7 @@ class Stateful(nn.Module):
     def __setstate__(self, state):
         if "workspaces" in state:        # pickled by a te_func whose shell kept them under that name
             state["_workspaces"] = state.pop("workspaces")
+        state.setdefault("weight_cache", True)      # pickled before the option existed: the cache
         super().__setstate__(state)
         self._make_sinks_and_inboxes()
 

@@ -150,6 +150,17 @@ def test_checkpoints_move_between_shells_with_and_without_the_cache(recipe):
         tef.Stateful(copy.deepcopy(model), recipe).load_state_dict(bare.state_dict())
 
 
+def test_a_shell_pickled_before_the_option_existed_keeps_its_cache():
+    shell = tef.Stateful(tef.nn.Linear(16, 16), Float8CurrentScaling())
+    state = shell.__getstate__()
+    del state["weight_cache"]           # what an earlier te_func's pickle holds
+    old = tef.Stateful.__new__(tef.Stateful)
+    old.__setstate__(state)
+    assert old.weight_cache and "weight_cache" not in repr(old)
+    old.reset_workspaces()
+    assert any("_cast." in k for k in old.workspaces)
+
+
 class CachedForward(torch.nn.Module):
     """A model's forward with its cached weight casts, as a module of (params, ws, x)."""
 
