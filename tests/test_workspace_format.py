@@ -335,7 +335,10 @@ def test_a_stateful_checkpoint_of_te_func_0_1_loads_and_resumes_where_it_stopped
     saved = torch.load(DATA / f"format1_{name}.pt")
     shell = tef.Stateful(_format1_model(), FORMAT1[name])
     shell.load_state_dict(saved["state_dict"])
-    assert torch.equal(shell(saved["x"], is_first_microbatch=True).square().mean().detach(), saved["loss"])
+    # The saved loss was computed on another machine: CPU fp32 GEMMs (the emulated FP8 ones) differ
+    # by an ulp or two between CPU models (BLAS kernels), measured 1.9e-7 relative on an AMD EPYC.
+    torch.testing.assert_close(shell(saved["x"], is_first_microbatch=True).square().mean().detach(), saved["loss"],
+                               rtol=1e-6, atol=0)
     assert RECIPE_KEY in shell.workspaces and not any("=" in k for k in shell.workspaces)
 
 
