@@ -95,8 +95,9 @@ def freeze(model: nn.Module, recipe, *, workspaces: dict | None = None, device=N
     device: where the frozen model lives (default: where the model is); only the FP8
     casts and the non-GEMM parameters are moved there.
     weight_only_tokens: calls of at most this many tokens (the product of the input's
-    leading dims) run weight-only FP8: the FP8 weight dequantized to the input's dtype,
-    the input not quantized (te_func.gemm.weight_only_gemm; not a TE mode). 0: never.
+    leading dims) run weight-only FP8: the input not quantized, times the FP8 weight
+    (te_func.gemm.weight_only_gemm; not a TE mode). 0: never. 1 is the one-token decode
+    step, where it is the faster path on an H200 (docs/inference.md).
 
     The copy is in eval mode, its parameters do not require grad, and the model passed in
     is not modified.

@@ -10,6 +10,7 @@ import functools
 
 import torch
 
+from . import kernels
 from .quant import Quantized, dequantize, nvfp4
 from .quant.tensor import batched_by_vmap, nvfp4_block_values
 
@@ -179,16 +180,53 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool
 def weight_only_gemm(x: torch.Tensor, w: Quantized) -> torch.Tensor:
     """(M, K) x (N, K) quantized -> (M, N) = x @ dequantize(w).T, in x's dtype: weight-only FP8.
 
-    The weight is dequantized to x's dtype (bf16 for a bf16 model: exact for MXFP8 and
-    power-of-2 block scales, one rounding for a tensor-wise scale) and the GEMM runs in
-    that dtype on unquantized activations. At a few tokens a GEMM is bound by reading
-    its weight: this one reads FP8 bytes and skips the activation's cast. It reads them
-    only once where the dequantize fuses into the GEMM's prologue (inductor's Triton GEMM
-    templates, torch.compile mode="max-autotune"); otherwise the bf16 weight is written
-    and read again. te_func.freeze chooses it per call shape (`weight_only_tokens`).
-    TE has no such path.
+    The GEMM runs on the unquantized activations. At a few tokens it is bound by reading
+    its weight, and this one reads FP8 bytes and skips the activation's cast.
+    te_func.freeze chooses it per call shape (`weight_only_tokens`). TE has no such path.
+    - A tensor-wise cast (Float8CurrentScaling, DelayedScaling): te_func::weight_only_mm, the
+      product of x and the FP8 values summed in fp32, times the scale, rounded once to x's
+      dtype. On FP8 GPUs one Triton kernel reads the FP8 weight once
+      (te_func.kernels.weight_only), eagerly and from compiled graphs alike.
+    - Block scales (MXFP8, Float8BlockScaling, NVFP4): the weight is dequantized to x's
+      dtype (exact for MXFP8's power-of-2 scales) and the GEMM runs in that dtype.
     """
+    if w.block is None and not w.nvfp4:
+        if x.shape[-1] != w.data.shape[-1]:
+            raise ValueError(f"GEMM reduction dims differ: x {tuple(x.shape)}, w {tuple(w.data.shape)}")
+        out = _weight_only_mm(x.reshape(-1, x.shape[-1]), w.data, w.scale_inv)
+        return out.reshape(*x.shape[:-1], w.data.shape[0])
     wq = dequantize(w, x.dtype)     # NVFP4 packs two codes a byte: compare the decoded width
     if x.shape[-1] != wq.shape[-1]:
         raise ValueError(f"GEMM reduction dims differ: x {tuple(x.shape)}, w {tuple(wq.shape)}")
     return x @ wq.t()
+
+
+def _weight_only_reference(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    return ((x.float() @ w.float().t()) * scale_inv.float()).to(x.dtype)
+
+
+@torch.library.custom_op("te_func::weight_only_mm", mutates_args=())
+def _weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ w (N, K).T * scale_inv () in x's dtype, w tensor-wise FP8. An op of its own so
+    that compiled graphs call the Triton kernel (inductor would otherwise generate the
+    reference's ops, whose bf16 copy of the weight is what the kernel avoids)."""
+    out = kernels.weight_only_mm(x, w, scale_inv)
+    return _weight_only_reference(x, w, scale_inv) if out is None else out
+
+
+@_weight_only_mm.register_fake
+def _(x, w, scale_inv):
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@_weight_only_mm.register_vmap
+def _(info, in_dims, x, w, scale_inv):
+    dim_x, dim_w, dim_s = in_dims
+    if dim_w is None and dim_s is None:
+        # Samples of the input against one weight: their rows stacked are one GEMM.
+        x = x.movedim(dim_x, 0)
+        return _weight_only_mm(x.flatten(0, 1), w, scale_inv).unflatten(0, x.shape[:2]), 0
+    def sample(t, dim, i):
+        return t if dim is None else t.select(dim, i)
+    return torch.stack([_weight_only_mm(sample(x, dim_x, i), sample(w, dim_w, i), sample(scale_inv, dim_s, i))
+                        for i in range(info.batch_size)]), 0

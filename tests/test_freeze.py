@@ -271,8 +271,8 @@ WEIGHT_ONLY_MIN_DB_FP4 = 10.0
 
 @pytest.mark.parametrize("recipe", FP8)
 def test_weight_only_fp8_below_the_token_threshold(recipe):
-    """weight_only_tokens=16: calls of <= 16 tokens dequantize the FP8 weight to the input's dtype and
-    leave the input unquantized; larger calls run FP8 x FP8, as the model without the option."""
+    """weight_only_tokens=16: calls of <= 16 tokens leave the input unquantized and multiply it by
+    the FP8 weight; larger calls run FP8 x FP8, as the model without the option."""
     model, ws = trained(recipe)
     frozen = tef.freeze(model, recipe, workspaces=ws)
     small = tef.freeze(model, recipe, workspaces=ws, weight_only_tokens=16)
@@ -289,6 +289,37 @@ def test_weight_only_fp8_below_the_token_threshold(recipe):
         assert torch.equal(small(big), frozen(big))
     with pytest.raises(ValueError, match="weight_only_tokens"):
         tef.freeze(model, recipe, workspaces=ws, weight_only_tokens=-1)
+
+
+@pytest.mark.parametrize("recipe", [p for p in FP8 if p.id in ("current", "delayed")])
+def test_weight_only_model_compiles_whole_and_exports(recipe):
+    """The tensor-wise recipes' weight-only GEMM is one op (te_func::weight_only_mm, the Triton
+    kernel on FP8 GPUs): dynamo takes it in one graph, torch.export keeps it, both equal eager."""
+    torch._dynamo.reset()
+    model, ws = trained(recipe)
+    small = tef.freeze(model, recipe, workspaces=ws, weight_only_tokens=64)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(small, fullgraph=True, backend=counter)
+    x = torch.randn(2, 8, 64)
+    exported = torch.export.export(small, (x,))
+    assert "te_func.weight_only_mm" in str(exported.graph)
+    with torch.no_grad():
+        want = small(x)
+        assert torch.equal(compiled(x), want) and torch.equal(exported.module()(x), want)
+    assert counter.frame_count == 1
+
+
+def test_weight_only_gemm_under_vmap_is_the_gemm_of_the_stacked_tokens():
+    from te_func.gemm import weight_only_gemm
+    from te_func.quant import quantize
+    w, _ = quantize(torch.randn(32, 48), Float8CurrentScaling(), "weight")
+    xs = torch.randn(5, 7, 48, dtype=torch.bfloat16)
+    got = torch.func.vmap(weight_only_gemm, in_dims=(0, None))(xs, w)
+    assert torch.equal(got, weight_only_gemm(xs.reshape(35, 48), w).reshape(5, 7, 32))
+    ws = torch.stack([w.data, w.data])       # weights batched too: one GEMM per sample
+    from te_func.quant import Quantized
+    got = torch.func.vmap(lambda x, d: weight_only_gemm(x, Quantized(d, w.scale_inv)))(xs[:2], ws)
+    assert torch.equal(got, weight_only_gemm(xs[:2].reshape(14, 48), w).reshape(2, 7, 32))
 
 
 # --- bad input ------------------------------------------------------------------------------------------

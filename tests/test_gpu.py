@@ -305,10 +305,12 @@ def test_frozen_model_on_cuda_equals_cached_forward(cuda, recipe):
         assert torch.equal(frozen(x), want)
 
 
+@pytest.mark.parametrize("weight_only_tokens", [0, 64], ids=["fp8", "weight-only"])
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), tef.recipe.DelayedScaling(amax_history_len=4)],
                          ids=["current", "delayed"])
-def test_frozen_model_under_cuda_graphs_records_once_and_replays(cuda, recipe, monkeypatch):
-    """mode="reduce-overhead": one recording per shape, then replays, no skip, no re-record."""
+def test_frozen_model_under_cuda_graphs_records_once_and_replays(cuda, recipe, weight_only_tokens, monkeypatch):
+    """mode="reduce-overhead": one recording per shape, then replays, no skip, no re-record; with
+    weight-only FP8 the graph holds the Triton GEMM (tuned on the warm-up call, before recording)."""
     from torch._dynamo.utils import counters
     from torch._inductor import cudagraph_trees
     torch._dynamo.reset()
@@ -320,7 +322,9 @@ def test_frozen_model_under_cuda_graphs_records_once_and_replays(cuda, recipe, m
         recorded.append(1)
         return original(self, *args, **kwargs)
     monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
-    _, _, frozen = _frozen_block(cuda, recipe)
+    model, ws, frozen = _frozen_block(cuda, recipe)
+    if weight_only_tokens:
+        frozen = tef.freeze(model, recipe, workspaces=ws, weight_only_tokens=weight_only_tokens)
     compiled = torch.compile(frozen, mode="reduce-overhead", fullgraph=True)
     x = torch.randn(16, 256, device=cuda, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -356,10 +360,15 @@ def test_freeze_from_cpu_to_cuda_moves_only_fp8(cuda):
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_weight_only_fp8_on_cuda_matches_float64(cuda, recipe):
+    from te_func.kernels import dispatch
     model, ws, _ = _frozen_block(cuda, recipe)
     small = tef.freeze(model, recipe, workspaces=ws, weight_only_tokens=64)
     ref = copy.deepcopy(model).double()
     x = torch.randn(16, 256, device=cuda, dtype=torch.bfloat16)
     with torch.no_grad():
+        before = dispatch.calls["fused"]
+        small(x)
+        # The tensor-wise recipes' four GEMMs take the Triton kernel.
+        assert dispatch.calls["fused"] - before >= (4 if isinstance(recipe, (Float8CurrentScaling, DelayedScaling)) else 0)
         # FP4 weights (3-bit E2M1) sit near 12 dB (12.6 measured on the H200), FP8 ones above 20.
         assert sqnr(ref(x.double()), small(x).double()) > (10 if is_fp4(recipe) else 20)

@@ -563,3 +563,76 @@ def test_a_modules_parameters_take_the_kernels(device, kernels_on, monkeypatch):
     x = torch.randn(32, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
     shell(x).float().sum().backward()
     assert len(results) == 2 and all(r is not None for r in results)     # the GELU forward and backward
+
+
+# --- weight-only FP8's GEMM --------------------------------------------------------------------------
+
+# (tokens, out, in): one token, a decode batch, tokens over one block of 64 (two programs along
+# them), widths that are not multiples of the tiles, and long rows that the kernel splits along K
+# (its second kernel adds the splits), one of them ragged.
+WEIGHT_ONLY_SHAPES = [(1, 48, 96), (16, 64, 128), (33, 40, 200), (70, 16, 64), (5, 32, 2048), (3, 40, 1100), (1, 40, 2048)]
+
+
+def _ulps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| in units of want's last place in its dtype (bf16 or fp16), elementwise."""
+    ulp = torch.finfo(want.dtype).eps * want.float().abs().clamp_min(torch.finfo(want.dtype).tiny)
+    return (got.float() - want.float()).abs() / ulp
+
+
+@gpu
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("w_dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("shape", WEIGHT_ONLY_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_weight_only_kernel_matches_the_reference_to_one_rounding(device, kernels_on, shape, w_dtype, x_dtype):
+    """The kernel sums the same fp32 products as te_func.gemm's reference, in another order: the
+    results differ by at most one rounding of the output."""
+    from te_func.gemm import _weight_only_reference
+    m, n, k = shape
+    x = torch.randn(m, k, device=device, dtype=x_dtype)
+    w = (torch.randn(n, k, device=device) * 40).to(w_dtype)
+    scale_inv = torch.tensor(0.0137, device=device)
+    before = dispatch.calls["fused"]
+    got = kernels.weight_only_mm(x, w, scale_inv)
+    assert got is not None and dispatch.calls["fused"] == before + 1
+    want = _weight_only_reference(x, w, scale_inv)
+    assert got.dtype == x_dtype and got.shape == (m, n)
+    assert _ulps_apart(got, want).max() <= 1.0
+    exact = (x.double() @ w.double().t()) * 0.0137
+    assert sqnr(exact, got.double()) > 45     # the output's rounding alone: bf16 ~52 dB, fp16 ~70
+
+
+def test_weight_only_kernel_leaves_what_it_does_not_take_to_the_reference(kernels_on):
+    w, s = torch.randn(8, 16).to(E4M3), torch.tensor(1.0)
+    assert kernels.weight_only_mm(torch.randn(4, 16), w, s) is None                      # fp32 input
+    assert kernels.weight_only_mm(torch.randn(4, 16, dtype=torch.bfloat16), w.float(), s) is None   # not FP8
+    assert kernels.weight_only_mm(torch.randn(0, 16, dtype=torch.bfloat16), w, s) is None      # no tokens
+    if not INTERPRET:
+        assert kernels.weight_only_mm(torch.randn(4, 16, dtype=torch.bfloat16), w, s) is None  # a CPU tensor
+
+
+@pytest.mark.parametrize("x_dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("w_dtype", ["fp8e4nv", "fp8e5"])
+def test_weight_only_kernel_compiles_for_hopper(w_dtype, x_dtype):
+    """Tokens on tensor cores (Hopper's wgmma), one token on the CUDA cores; the FP8 bytes widened
+    in registers."""
+    if INTERPRET:
+        pytest.skip("the interpreter does not compile")
+    pytest.importorskip("triton")
+    from te_func.kernels import weight_only
+    for split in (1, 4):
+        ptx = _compile_for_hopper(weight_only._weight_only_kernel.fn, {
+            "x_ptr": "*" + x_dtype, "w_ptr": "*" + w_dtype, "scale_inv_ptr": "*fp32",
+            "out_ptr": "*" + (x_dtype if split == 1 else "fp32"), "M": "i32", "N": "i32", "K": "i32",
+            "K_PER_SPLIT": "i32", "T_BUCKET": "i32"},
+            {"SPLIT": split, "BLOCK_T": 16, "BLOCK_N": 64, "BLOCK_K": 128})
+        assert "wgmma" in ptx and "cvt" in ptx
+    for split in (1, 4):
+        ptx = _compile_for_hopper(weight_only._gemv_kernel, {
+            "x_ptr": "*" + x_dtype, "w_ptr": "*" + w_dtype, "scale_inv_ptr": "*fp32",
+            "out_ptr": "*" + (x_dtype if split == 1 else "fp32"), "N": "i32", "K": "i32", "K_PER_SPLIT": "i32"},
+            {"SPLIT": split, "BLOCK_N": weight_only.GEMV["BLOCK_N"], "BLOCK_K": weight_only.GEMV["BLOCK_K"]})
+        assert "cvt" in ptx
+    ptx = _compile_for_hopper(weight_only._sum_splits_kernel, {"partial_ptr": "*fp32", "scale_inv_ptr": "*fp32",
+                                                               "out_ptr": "*" + x_dtype, "numel": "i32"},
+                              {"SPLIT": 4, "BLOCK": 1024})
+    assert "st.global" in ptx

@@ -9,6 +9,10 @@ bit-identical either way, so that choice never changes numerics; the norms'
 added in another order (as torch's own reductions differ between eager and
 inductor).
 
+`weight_only_mm` is weight-only FP8's GEMM (te_func.gemm.weight_only_gemm): the FP8 weight
+read once and widened in registers. Unlike the rest it also runs under torch.compile,
+from inside the te_func::weight_only_mm op that the compiled graph calls.
+
 `delayed_update` and `delayed_record` do DelayedScaling's per-role bookkeeping (the
 new scale and the rolled history; a cast's amax into the current slot) in one launch
 each, with the torch code's bits.
@@ -29,7 +33,7 @@ import torch
 from torch._C import _functorch
 
 __all__ = ["activation", "cast_kernels_available", "delayed_record", "delayed_update", "norm_backward",
-           "norm_forward", "set_cast_kernels", "tensorwise_cast"]
+           "norm_forward", "set_cast_kernels", "tensorwise_cast", "weight_only_mm"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_NUMEL = 2**31 - 2**24     # int32 indexing in the kernels
@@ -58,6 +62,16 @@ def _delayed_module():
     except Exception:   # as _cast_module
         return None
     return delayed
+
+
+@functools.cache
+def _weight_only_module():
+    """te_func.kernels.weight_only, or None where Triton is missing or cannot import."""
+    try:
+        from . import weight_only
+    except Exception:   # as _cast_module
+        return None
+    return weight_only
 
 
 @functools.cache
@@ -258,3 +272,27 @@ def delayed_record(history: torch.Tensor, amax: torch.Tensor):
     """history (L,) fp32 with max(history[0], amax) in slot 0 (NaN if either is), by one kernel,
     or None where it does not apply (te_func.quant.tensor.record_amax)."""
     return _delayed(history, amax, lambda module, h, a: module.record(h, a))
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor | None:
+    """(x (M, K) @ w (N, K).T) * scale_inv in x's dtype by the Triton kernel, or None where it does
+    not apply: x bf16/fp16 on an FP8-capable CUDA device (or Triton's interpreter), w a
+    tensor-wise FP8 cast, scale_inv () fp32, plain tensors (te_func::weight_only_mm's implementation
+    receives them so, eagerly or from a compiled graph)."""
+    if not (_enabled and x.dim() == 2 and w.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype in _FP8_DTYPES and scale_inv.dtype == torch.float32 and scale_inv.numel() == 1
+            and x.shape[1] == w.shape[1] and min(x.shape[0], *w.shape) > 0
+            and max(x.numel(), w.numel()) < _MAX_NUMEL and x.device == w.device == scale_inv.device):
+        return None
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        if not x.is_cuda or not _has_fp8_conversions(x.device.index if x.device.index is not None
+                                                     else torch.cuda.current_device()):
+            return None
+    module = _weight_only_module()
+    if module is None:
+        return None
+    calls["fused"] += 1
+    return module.weight_only_mm(x.contiguous(), w.contiguous(), scale_inv.reshape(()).contiguous())

@@ -1,0 +1,143 @@
+"""Triton kernel of weight-only FP8: out (M, N) = (x (M, K) @ w (N, K).T) * scale_inv.
+
+w is a tensor-wise FP8 cast (E4M3 or E5M2) with its fp32 `scale_inv` (); x is bf16 or
+fp16, not quantized. At a few tokens (a decode step) the GEMM is bound by reading its
+weight: the kernel reads the FP8 bytes once and widens them to x's dtype in registers
+(exact: every E4M3 and E5M2 value is a bf16 and an fp16 value), multiplies in fp32 on the
+tensor cores and applies the scale to the fp32 sum. A dequantize followed by a bf16 GEMM
+writes and reads the weight in bf16 again, four times the FP8 bytes.
+
+The weight is the MMA's left operand (out.T = w @ x.T): its rows fill the tensor cores'
+64-row tiles, where a few tokens would leave them mostly empty. Where the weight has too
+few row tiles to keep every SM reading, K is split in `split` contiguous ranges whose fp32
+sums a second kernel adds in order; the split depends on the shape only, so a given shape
+always sums in the same order.
+
+Imported only by te_func.kernels.dispatch, once Triton is known to import. The torch
+reference is te_func.gemm's `_weight_only_reference` (the same function up to the order
+of the fp32 sums). Indices are int32: callers keep each operand below 2**31 elements.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRETED = tl.constexpr(INTERPRETED)
+MAX_TOKEN_BLOCK = 64    # tokens per program: a decode batch fits one block, more take several
+K_GRANULE = 256         # every split of K is a multiple of the largest BLOCK_K: the same sums in every config
+NOMINAL_BLOCK_N = 128   # the weight rows per program the split is sized for
+# One token takes the CUDA-core kernel, in one fixed config: its row sums' order depends on
+# the tile and the warps, so a fixed config keeps a shape's bits the same in every process.
+GEMV = {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 3}    # swept on an H200
+
+
+def _configs():
+    if INTERPRETED:     # the interpreter runs every candidate: one is enough there
+        return [triton.Config({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4)]
+    # The fp32 sums along K run in 16-wide MMA steps, in order, in every config: the choice
+    # changes the speed, not the bits.
+    # The candidates that won a sweep on an H200 (2026-12-02) at 16 and 64 tokens.
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": 128}, num_warps=4, num_stages=s) for n in (64, 128) for s in (3, 5)]
+
+
+@triton.autotune(configs=_configs(), key=["T_BUCKET", "N", "K", "K_PER_SPLIT"])
+@triton.jit
+def _weight_only_kernel(x_ptr, w_ptr, scale_inv_ptr, out_ptr, M, N, K, K_PER_SPLIT, T_BUCKET,
+                        SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n, pid_k, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)          # of w, = columns of out
+    tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)        # rows of x and of out
+    ks = tl.arange(0, BLOCK_K)
+    k_end = tl.minimum(K, (pid_k + 1) * K_PER_SPLIT)
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)    # out.T's tile
+    for k0 in range(pid_k * K_PER_SPLIT, k_end, BLOCK_K):
+        k = k0 + ks
+        w = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < N) & (k[None, :] < k_end), other=0.0)
+        # x's tile read as (BLOCK_K, BLOCK_T): the transpose the product needs, by addressing.
+        x_t = tl.load(x_ptr + tokens[None, :] * K + k[:, None], mask=(tokens[None, :] < M) & (k[:, None] < k_end),
+                      other=0.0)
+        if _INTERPRETED:    # Triton's interpreter multiplies bf16 tiles wrongly: fp32 there
+            acc = tl.dot(w.to(tl.float32), x_t.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(x_t.dtype), x_t, acc)
+    where = (rows[:, None] < N) & (tokens[None, :] < M)
+    if SPLIT == 1:
+        acc = acc * tl.load(scale_inv_ptr)
+        tl.store(out_ptr + tokens[None, :] * N + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=where)
+    else:   # this split's fp32 sums, (SPLIT, M, N)
+        tl.store(out_ptr + (pid_k * M + tokens[None, :]) * N + rows[:, None], acc, mask=where)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, scale_inv_ptr, out_ptr, N, K, K_PER_SPLIT,
+                 SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token (M = 1): w's rows times x on the CUDA cores, no MMA tile to fill."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    k_end = tl.minimum(K, (pid_k + 1) * K_PER_SPLIT)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(pid_k * K_PER_SPLIT, k_end, BLOCK_K):
+        k = k0 + ks
+        w = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < N) & (k[None, :] < k_end), other=0.0)
+        x = tl.load(x_ptr + k, mask=k < k_end, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    if SPLIT == 1:
+        acc = acc * tl.load(scale_inv_ptr)
+        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < N)
+    else:
+        tl.store(out_ptr + pid_k * N + rows, acc, mask=rows < N)
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, scale_inv_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.load(partial_ptr + i, mask=i < numel, other=0.0)
+    for s in tl.static_range(1, SPLIT):       # in order: the same bits every call
+        acc += tl.load(partial_ptr + s * numel + i, mask=i < numel, other=0.0)
+    acc = acc * tl.load(scale_inv_ptr)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=i < numel)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count if not INTERPRETED else 4
+
+
+def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """x (M, K) bf16/fp16 contiguous, w (N, K) FP8 contiguous, scale_inv () fp32 -> (M, N) in x's dtype."""
+    (m, k), n = x.shape, w.shape[0]
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if m == 1:
+        split, k_per_split = _splits(triton.cdiv(n, GEMV["BLOCK_N"]), k, x.device)
+        target = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+        _gemv_kernel[(triton.cdiv(n, GEMV["BLOCK_N"]), split)](x, w, scale_inv, target, n, k, k_per_split,
+                                                                 SPLIT=split, **GEMV)
+    else:
+        block_t = min(MAX_TOKEN_BLOCK, max(16, triton.next_power_of_2(m)))     # tl.dot takes >= 16
+        token_blocks = triton.cdiv(m, block_t)
+        split, k_per_split = _splits(triton.cdiv(n, NOMINAL_BLOCK_N) * token_blocks, k, x.device)
+        target = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+
+        def grid(meta):
+            return triton.cdiv(n, meta["BLOCK_N"]), split, token_blocks
+        _weight_only_kernel[grid](x, w, scale_inv, target, m, n, k, k_per_split, block_t, SPLIT=split,
+                                  BLOCK_T=block_t)
+    if split > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, scale_inv, out, m * n, SPLIT=split, BLOCK=block)
+    return out
+
+
+def _splits(tiles: int, k: int, device: torch.device) -> tuple[int, int]:
+    """(ranges K is cut into, their length): enough programs for two per SM, each range a
+    multiple of K_GRANULE and at least two of them."""
+    sms = _sm_count(device.index if device.index is not None else 0)
+    split = max(1, min(-(-2 * sms // tiles), k // (2 * K_GRANULE), 16))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), K_GRANULE) * K_GRANULE
+    return triton.cdiv(k, k_per_split), k_per_split
