@@ -29,7 +29,7 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRETED = tl.constexpr(INTERPRETED)
 MAX_TOKEN_BLOCK = 64    # tokens per program: a decode batch fits one block, more take several
-K_GRANULE = 256         # every split of K is a multiple of the largest BLOCK_K: the same sums in every config
+K_GRANULE = 256         # splits of K are multiples of every tensor-core config's BLOCK_K: the same sums in each
 NOMINAL_BLOCK_N = 128   # the weight rows per program the split is sized for
 # One token takes the CUDA-core kernel, in one fixed config: its row sums' order depends on
 # the tile and the warps, so a fixed config keeps a shape's bits the same in every process.
@@ -40,8 +40,7 @@ def _configs():
     if INTERPRETED:     # the interpreter runs every candidate: one is enough there
         return [triton.Config({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4)]
     # The fp32 sums along K run in 16-wide MMA steps, in order, in every config: the choice
-    # changes the speed, not the bits.
-    # The candidates that won a sweep on an H200 (2026-12-02) at 16 and 64 tokens.
+    # changes the speed, not the bits. These won a sweep on an H200 at 16 and 64 tokens.
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": 128}, num_warps=4, num_stages=s) for n in (64, 128) for s in (3, 5)]
 
 
@@ -104,9 +103,15 @@ def _sum_splits_kernel(partial_ptr, scale_inv_ptr, out_ptr, numel, SPLIT: tl.con
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=i < numel)
 
 
+def _sm_count(device: torch.device) -> int:
+    if INTERPRETED:     # a CPU: any small number exercises the splits
+        return 4
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count if not INTERPRETED else 4
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -137,7 +142,6 @@ def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) ->
 def _splits(tiles: int, k: int, device: torch.device) -> tuple[int, int]:
     """(ranges K is cut into, their length): enough programs for two per SM, each range a
     multiple of K_GRANULE and at least two of them."""
-    sms = _sm_count(device.index if device.index is not None else 0)
-    split = max(1, min(-(-2 * sms // tiles), k // (2 * K_GRANULE), 16))
+    split = max(1, min(-(-2 * _sm_count(device) // tiles), k // (2 * K_GRANULE), 16))
     k_per_split = triton.cdiv(triton.cdiv(k, split), K_GRANULE) * K_GRANULE
     return triton.cdiv(k, k_per_split), k_per_split
