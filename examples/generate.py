@@ -6,7 +6,7 @@ and both the bf16 model and the frozen one run greedy `generate()`; the script
 prints tokens/s and the resident bytes of each.
 
     python examples/generate.py                       # a tiny model on the CPU
-    python examples/generate.py --device cuda --size 1b [--compile] [--weight-only-tokens 64]
+    python examples/generate.py --device cuda --size 1b [--compile] [--weight-only-tokens 1]
 
 On a CPU FP8 is emulated (exact numerics, not FP8 speed).
 """
@@ -63,7 +63,8 @@ def main(argv=None):
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--weight-only-tokens", type=int, default=0,
-                        help="calls of at most this many tokens run weight-only FP8 (0: never)")
+                        help="calls of at most this many tokens run weight-only FP8 (0: never; 1: the "
+                             "one-token decode step, docs/inference.md)")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models' forward")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
