@@ -4,8 +4,9 @@ Columns: eager module call, tef.functional_call, tef.grad, torch.func.vmap
 (per-sample gradients and a stacked ensemble), tef.per_sample_grad in both
 quantization scopes (chunked and compiled too; HuggingFace models take each
 sample as a batch of one), torch.compile(fullgraph=True)
-of a whole train step, and tef.Stateful; and workspaces without the weight
-cache through tef.grad, torch.compile and tef.Stateful. Rows come from tests/cases.py, so a
+of a whole train step, and tef.Stateful; workspaces without the weight
+cache through tef.grad, torch.compile and tef.Stateful; and tef.freeze, with FP8 x FP8
+and with weight-only FP8 GEMMs. Rows come from tests/cases.py, so a
 new layer or recipe joins every column by adding one row there.
 
 Each column checks values against another column that is already trusted,
@@ -23,6 +24,7 @@ import torch._dynamo.testing
 import te_func as tef
 from cases import (HF_MODELS, LAYERS, RECIPES, assert_dicts_equal, assert_grads_match, bits, detached_params, is_fp4,
                    needs_state, sqnr)
+from te_func.quant import dequantize
 from te_func.quant.workspace import RECIPE_KEY
 from te_func.recipe import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling
 
@@ -580,3 +582,29 @@ def test_frozen_model_equals_cached_forward(case, recipe):
         assert {k for k in state if k.startswith(p)} - {p + k for k in layer._parameters} \
             == forward_state | {f"{p}te_func_recipe"}
     assert not gemm_weights & state.keys()
+
+
+@pytest.mark.parametrize("case, recipe", MATRIX)
+def test_frozen_weight_only_model_is_the_model_with_its_fp8_weights_decoded(case, recipe):
+    """tef.freeze(..., weight_only_tokens=N) with every call within N: each GEMM takes its input
+    unquantized and the FP8 weight, so the model computes the high-precision model whose GEMM
+    weights are the frozen casts decoded, to the input's precision (fp32 here)."""
+    s = make_setup(case, recipe)
+    gemm_layers = [m for m in s.model.modules() if isinstance(m, tef.nn.TEModule) and m.gemms()]
+    if recipe is None or not gemm_layers:
+        return      # nothing to freeze: test_frozen_model_equals_cached_forward checks the error
+    ws = trained_workspaces(s, detached_params(s.model))
+    frozen = tef.freeze(s.model, recipe, workspaces=ws, weight_only_tokens=2**20)
+    decoded = copy.deepcopy(s.model).double()
+    with torch.no_grad():
+        for path, layer in tef.frozen_layers(frozen).items():
+            source = decoded.get_submodule(path)
+            for g in layer.gemm_specs:
+                # A weight of its own: one tied to an embedding (GPT-2's lm_head) stays the embedding's.
+                setattr(source, g.weight, torch.nn.Parameter(source.get_parameter(g.weight).clone()))
+                # gemm_weight: the (out, in) view, whatever layout the layer stores.
+                source.gemm_weight(g.weight).copy_(dequantize(layer.get_submodule(f"{g.weight}_cast").quantized()))
+        got = case.output(frozen(*s.inputs, **s.kwargs))
+        want = case.output(decoded(*double(s.inputs), **s.kwargs))
+    # fp32 roundings only (>= 130 dB measured on CPU); an FP8 cast of the input would give ~30.
+    assert sqnr(want, got.double()) > 100, sqnr(want, got.double())
