@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 import te_func as tef
 from cases import RECIPES, assert_dicts_equal, detached_params, is_fp4, needs_state, sqnr, tiny_llama
-from te_func.quant import dequantize
+from te_func.gemm import weight_only_gemm
+from te_func.quant import Quantized, dequantize, quantize
 from te_func.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 FP8 = [pytest.param(r, id=rid) for rid, r in RECIPES if r is not None and r.backward_override is None]
@@ -318,14 +319,11 @@ def test_weight_only_model_compiles_whole_and_exports(recipe):
 
 
 def test_weight_only_gemm_under_vmap_is_the_gemm_of_the_stacked_tokens():
-    from te_func.gemm import weight_only_gemm
-    from te_func.quant import quantize
     w, _ = quantize(torch.randn(32, 48), Float8CurrentScaling(), "weight")
     xs = torch.randn(5, 7, 48, dtype=torch.bfloat16)
     got = torch.func.vmap(weight_only_gemm, in_dims=(0, None))(xs, w)
     assert torch.equal(got, weight_only_gemm(xs.reshape(35, 48), w).reshape(5, 7, 32))
     ws = torch.stack([w.data, w.data])       # weights batched too: one GEMM per sample
-    from te_func.quant import Quantized
     got = torch.func.vmap(lambda x, d: weight_only_gemm(x, Quantized(d, w.scale_inv)))(xs[:2], ws)
     assert torch.equal(got, weight_only_gemm(xs[:2].reshape(14, 48), w).reshape(2, 7, 32))
 

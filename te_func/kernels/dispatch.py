@@ -122,6 +122,11 @@ def _applies(x: torch.Tensor) -> bool:
     if not (_enabled and not torch.compiler.is_compiling() and x.dtype in _INPUT_DTYPES
             and 0 < x.numel() < _MAX_NUMEL):
         return False
+    return _on_kernel_device(x)
+
+
+def _on_kernel_device(x: torch.Tensor) -> bool:
+    """x is where the kernels run: an FP8-capable CUDA device, or anywhere under Triton's interpreter."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True
     return x.is_cuda and _has_fp8_conversions(x.device.index if x.device.index is not None
@@ -285,12 +290,9 @@ def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) ->
     if not (_enabled and x.dim() == 2 and w.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
             and w.dtype in _FP8_DTYPES and scale_inv.dtype == torch.float32 and scale_inv.numel() == 1
             and x.shape[1] == w.shape[1] and min(x.shape[0], *w.shape) > 0
-            and max(x.numel(), w.numel()) < _MAX_NUMEL and x.device == w.device == scale_inv.device):
+            and max(x.numel(), w.numel()) < _MAX_NUMEL and x.device == w.device == scale_inv.device
+            and _on_kernel_device(x)):
         return None
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        if not x.is_cuda or not _has_fp8_conversions(x.device.index if x.device.index is not None
-                                                     else torch.cuda.current_device()):
-            return None
     module = _weight_only_module()
     if module is None:
         return None
