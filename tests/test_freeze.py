@@ -390,6 +390,34 @@ def test_frozen_hf_llama_generates_what_the_converted_model_does(recipe):
     assert torch.equal(got, want) and torch.equal(generated, want)
 
 
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
+                         ids=["current", "delayed"])
+def test_frozen_hf_llama_generates_through_transformers_compiled_decode(recipe):
+    """transformers' own compiled decoding (static cache, its auto-compile, as examples/generate.py
+    --compile runs it on a GPU): every one-token step is one fullgraph dynamo graph, the same for
+    every position, and the tokens are the uncompiled model's. The backend runs dynamo's graph as
+    traced (inductor's code is checked by the compile tests above), so this stays quick."""
+    from transformers import CompileConfig
+    model = tef.convert(tiny_llama(layers=2)).eval()
+    frozen = tef.freeze(model, recipe, workspaces=tef.init_workspaces(model, recipe))
+    graphs = []
+
+    def backend(gm, example_inputs, **options):
+        graphs.append(gm)
+        return gm.forward
+
+    config = CompileConfig(fullgraph=True, backend=backend)
+    config._compile_all_devices = True           # transformers compiles on accelerators only, unless told
+    ids = torch.randint(0, 128, (2, 5))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = frozen.generate(ids, max_new_tokens=6, do_sample=False)
+        got = frozen.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
+                              compile_config=config)
+    assert torch.equal(got, want)
+    assert len(graphs) == 1
+
+
 def test_frozen_hf_llama_decodes_one_token_calls_weight_only():
     """weight_only_tokens=1, as docs/inference.md advises for decoding: the prompt's call runs
     FP8 x FP8 (the logits of the model without the option), every one-token step weight-only

@@ -12,7 +12,8 @@ def check_input(layer: str, inp: torch.Tensor, features: int, params: dict[str, 
                 recipe=None):
     """Clear errors for the misuses a layer can see from its arguments' metadata.
 
-    High precision (recipe None) also takes float64, as the plain torch layer does.
+    High precision (recipe None) also takes float64, as the plain torch layer does. Only whether
+    `recipe` is None is read, so a caller may pass the recipe's name instead of the object.
     """
     dtypes = FLOAT_DTYPES if recipe is not None else FLOAT_DTYPES + (torch.float64,)
     if not isinstance(inp, torch.Tensor):

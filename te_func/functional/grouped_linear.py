@@ -60,7 +60,8 @@ def split_sizes(m_splits, num_gemms: int, tokens: int, layer: str = "GroupedLine
 
 
 def fp8_split_sizes(m_splits, num_gemms: int, tokens: int, recipe, layer: str = "GroupedLinear") -> list:
-    """`split_sizes`, refusing what FP8 cannot trace: a tensor m_splits under torch.compile."""
+    """`split_sizes`, refusing what FP8 cannot trace: a tensor m_splits under torch.compile.
+    recipe: the recipe in force, its name, or None (only None-ness is read)."""
     if recipe is not None and isinstance(m_splits, torch.Tensor) and torch.compiler.is_compiling():
         # Compiled, a tensor's values are unknown until run time, and FP8 scaling
         # (per-group amax, blocks along tokens) needs every group's size to trace.

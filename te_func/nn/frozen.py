@@ -75,6 +75,12 @@ class FrozenLayer(nn.Module):
                 setattr(self, k, v)
         self.recipe, self.weight_only_tokens = recipe, weight_only_tokens
         self.gemm_specs = tuple(source.gemms())
+        # What a call reads, as strings of this layer's own. The recipe and the GemmSpecs are objects
+        # every layer shares, and torch.compile guards that a shared object it reads through two
+        # layers is still one object: a Python check per layer on every call (for a 16-layer Llama,
+        # hundreds of microseconds per decode step).
+        self._recipe_name = type(recipe).__name__
+        self._gemm_names = tuple((g.weight, g.prefix) for g in self.gemm_specs)
         weights = {g.weight for g in self.gemm_specs}
         for name, p in source._parameters.items():
             if name not in weights:
@@ -97,13 +103,13 @@ class FrozenLayer(nn.Module):
     def _tokens(self, inp: torch.Tensor) -> torch.Tensor:
         """The checked input in autocast's dtype (as the training layer takes it)."""
         features = getattr(self, self.features_attr)
-        check_input(self.layer, inp, features, self._params(), self.recipe)
+        check_input(self.layer, inp, features, self._params(), recipe=self._recipe_name)
         if torch.is_grad_enabled() and inp.requires_grad:
             raise RuntimeError(f"{self.layer}: a frozen model (tef.freeze) is for inference only: it keeps no "
                                f"high-precision weights and computes no gradients, and its input requires grad. "
                                f"Call it under torch.no_grad() or torch.inference_mode() on inputs that do not "
                                f"require grad; to train, train the model itself and freeze it afterwards")
-        device = self.get_submodule(f"{self.gemm_specs[0].weight}_cast").data.device
+        device = self.get_submodule(f"{self._gemm_names[0][0]}_cast").data.device
         if inp.device != device:
             raise ValueError(f"{self.layer}: input is on {inp.device} but the frozen weights are on {device}; "
                              f"move one of them (frozen.to(device) or inp.to(device))")
@@ -116,10 +122,10 @@ class FrozenLayer(nn.Module):
         weight_only = self.weight_only_tokens > 0 and tokens <= self.weight_only_tokens
         cfg = self._configs[bool(weight_only)]
         slots, tensors = [], {}
-        for g in self.gemm_specs:
-            slot = GemmSlot(cfg, g.weight, f"{g.weight}.")
-            scale = getattr(self, f"{g.prefix}input_scale", None)
-            tensors.update(slot.forward_inputs(self.get_submodule(f"{g.weight}_cast").quantized(), scale))
+        for weight, prefix in self._gemm_names:
+            slot = GemmSlot(cfg, weight, f"{weight}.")
+            scale = getattr(self, f"{prefix}input_scale", None)
+            tensors.update(slot.forward_inputs(self.get_submodule(f"{weight}_cast").quantized(), scale))
             slots.append(slot)
         return tuple(slots), tensors
 
@@ -226,7 +232,7 @@ class FrozenGroupedLinear(FrozenLayer):
     def forward(self, inp: torch.Tensor, m_splits, *, is_first_microbatch: bool | None = None):
         inp = self._tokens(inp)
         x = inp.reshape(-1, self.in_features)                                       # (tokens, in)
-        sizes = fp8_split_sizes(m_splits, self.num_gemms, x.shape[0], self.recipe, self.layer)
+        sizes = fp8_split_sizes(m_splits, self.num_gemms, x.shape[0], self._recipe_name, self.layer)
         slots, t = self._slots(x.shape[0])
         res = call_forward(GroupedLinearFP8(slots), x=x, **{f"m{i}": m for i, m in enumerate(sizes)},
                            **{f"bias{i}": getattr(self, f"bias{i}") for i in range(self.num_gemms)}, **t)
