@@ -41,6 +41,21 @@ __all__ = ["FrozenCast", "FrozenLayer", "FrozenLinear", "FrozenLayerNormLinear",
            "FrozenGroupedLinear", "FROZEN_LAYERS"]
 
 
+# Every distinct static config of the frozen layers (GemmConfig, the norm's), by its repr. A
+# layer keeps the names of its configs and reads them from here: torch.compile checks an object
+# once per place it reads it from, so a config read from this one table is checked once per
+# graph, where configs held by each layer were checked field by field in every layer, on every
+# call (some 30 checks per GEMM).
+_CONFIGS: dict[str, object] = {}
+
+
+def _interned(config) -> str:
+    """The name under which `config` (a frozen dataclass: its repr says all it holds) is in _CONFIGS."""
+    name = repr(config)
+    _CONFIGS.setdefault(name, config)
+    return name
+
+
 class FrozenCast(nn.Module):
     """One GEMM weight's forward cast: buffers `data` (out, in) and `scale_inv`, and under
     NVFP4 `global_amax` (None otherwise, so not in the state_dict)."""
@@ -78,22 +93,28 @@ class FrozenLayer(nn.Module):
         # What a call reads, as strings of this layer's own. The recipe and the GemmSpecs are objects
         # every layer shares, and torch.compile guards that a shared object it reads through two
         # layers is still one object: a Python check per layer on every call (for a 16-layer Llama,
-        # hundreds of microseconds per decode step).
+        # hundreds of microseconds per decode step). Each GEMM's input-scale buffer is named only
+        # where it exists: a getattr that misses is guarded as a missing attribute, which torch
+        # checks by raising nn.Module's AttributeError, on every call.
         self._recipe_name = type(recipe).__name__
-        self._gemm_names = tuple((g.weight, g.prefix) for g in self.gemm_specs)
+        delayed = isinstance(recipe, DelayedScaling)
+        self._gemm_names = tuple((g.weight, f"{g.prefix}input_scale" if delayed else None)
+                                 for g in self.gemm_specs)
         weights = {g.weight for g in self.gemm_specs}
         for name, p in source._parameters.items():
             if name not in weights:
                 self.register_parameter(name, None if p is None else nn.Parameter(p.detach(), requires_grad=False))
         for g in self.gemm_specs:
             self.add_module(f"{g.weight}_cast", FrozenCast(casts[g.weight]))
-            if isinstance(recipe, DelayedScaling):
+            if delayed:
                 self.register_buffer(f"{g.prefix}input_scale", input_scales[g.weight])
         self.register_buffer(RECIPE_KEY, fingerprint_entry(recipe, casts[self.gemm_specs[0].weight].data.device))
         # Both configs a call can pick, made once: FP8 x FP8, and weight-only for few tokens.
-        self._configs = {w: GemmConfig.of(recipe, save_input=False, weight_only=w) for w in (False, True)}
+        self._config_names = tuple(_interned(GemmConfig.of(recipe, save_input=False, weight_only=w))
+                                   for w in (False, True))
         if hasattr(self, "normalization"):      # the norm-fused layers
-            self.norm = norm_config(self.layer, self.normalization, self.eps, self.zero_centered_gamma)
+            self._norm_name = _interned(norm_config(self.layer, self.normalization, self.eps,
+                                                    self.zero_centered_gamma))
 
     # --- a call -------------------------------------------------------------------------------
 
@@ -120,11 +141,11 @@ class FrozenLayer(nn.Module):
         not is decided here, by the call's shape: under torch.compile a guard on the token
         count, so each side of the threshold has its own graph."""
         weight_only = self.weight_only_tokens > 0 and tokens <= self.weight_only_tokens
-        cfg = self._configs[bool(weight_only)]
+        cfg = _CONFIGS[self._config_names[int(weight_only)]]
         slots, tensors = [], {}
-        for weight, prefix in self._gemm_names:
+        for weight, scale_name in self._gemm_names:
             slot = GemmSlot(cfg, weight, f"{weight}.")
-            scale = getattr(self, f"{prefix}input_scale", None)
+            scale = None if scale_name is None else getattr(self, scale_name)
             tensors.update(slot.forward_inputs(self.get_submodule(f"{weight}_cast").quantized(), scale))
             slots.append(slot)
         return tuple(slots), tensors
@@ -202,7 +223,7 @@ class FrozenLayerNormLinear(FrozenLayer):
         inp = self._tokens(inp)
         x = inp.reshape(-1, self.in_features)                                       # (tokens, in)
         (slot,), t = self._slots(x.shape[0])
-        res = call_forward(LayerNormLinearFP8(slot, self.norm), x=x, ln_weight=self.layer_norm_weight,
+        res = call_forward(LayerNormLinearFP8(slot, _CONFIGS[self._norm_name]), x=x, ln_weight=self.layer_norm_weight,
                            ln_bias=self.layer_norm_bias, bias=None if self.return_bias else self.bias, **t)
         out = res["out"].reshape(*inp.shape[:-1], self.out_features)
         ln_out = res["ln_out"].reshape(inp.shape) if self.return_layernorm_output else None
@@ -217,7 +238,7 @@ class FrozenLayerNormMLP(FrozenLayer):
         inp = self._tokens(inp)
         x = inp.reshape(-1, self.hidden_size)                                       # (tokens, hidden)
         (fc1, fc2), t = self._slots(x.shape[0])
-        res = call_forward(LayerNormMLPFP8(fc1, fc2, self.norm, activation_spec(self.activation, self.activation_params)), x=x, ln_weight=self.layer_norm_weight,
+        res = call_forward(LayerNormMLPFP8(fc1, fc2, _CONFIGS[self._norm_name], activation_spec(self.activation, self.activation_params)), x=x, ln_weight=self.layer_norm_weight,
                            ln_bias=self.layer_norm_bias, fc1_bias=self.fc1_bias,
                            fc2_bias=None if self.return_bias else self.fc2_bias, **t)
         out = res["out"].reshape(inp.shape)
