@@ -23,7 +23,12 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def _device_capability(device: torch.device) -> tuple[int, int]:
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.compiler.is_compiling():
+        # Traced, the query is a constant of the graph; through the cache dynamo would trace
+        # the cached function anyway, and warn that it skips an lru_cache.
+        return torch.cuda.get_device_capability(index)
+    return _capability(index)
 
 
 def native_fp8_gemm_available(device: torch.device) -> bool:
