@@ -113,6 +113,21 @@ def test_frozen_state_dict_round_trips_through_torch_save_and_safetensors(recipe
         assert torch.equal(fresh(x), want)
 
 
+@pytest.mark.parametrize("recipe", FP8)
+def test_a_pickled_frozen_model_loads_where_its_configs_were_never_made(recipe, tmp_path, monkeypatch):
+    """torch.save of the whole module: unpickled in a process whose table of frozen configs is
+    empty (here: emptied), its layers bring their configs back and compute what they did."""
+    from te_func.nn import frozen as frozen_module
+    model, ws = trained(recipe)
+    frozen = tef.freeze(model, recipe, workspaces=ws)
+    x = torch.randn(2, 8, 64)
+    want = frozen(x)
+    torch.save(frozen, tmp_path / "frozen.pt")
+    monkeypatch.setattr(frozen_module, "_CONFIGS", {})
+    loaded = torch.load(tmp_path / "frozen.pt", weights_only=False)
+    assert torch.equal(loaded(x), want)
+
+
 def test_a_format2_frozen_checkpoint_loads():
     """Workspace format 2 kept MXFP8's scales as float8_e8m0fnu: such a frozen checkpoint loads
     (its scale bytes as they were) and computes what it did."""

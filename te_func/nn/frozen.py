@@ -110,11 +110,17 @@ class FrozenLayer(nn.Module):
                 self.register_buffer(f"{g.prefix}input_scale", input_scales[g.weight])
         self.register_buffer(RECIPE_KEY, fingerprint_entry(recipe, casts[self.gemm_specs[0].weight].data.device))
         # Both configs a call can pick, made once: FP8 x FP8, and weight-only for few tokens.
-        self._config_names = tuple(_interned(GemmConfig.of(recipe, save_input=False, weight_only=w))
-                                   for w in (False, True))
+        # The layer keeps its configs too, for a pickle of it to bring them into another process's table.
+        self._configs = tuple(GemmConfig.of(recipe, save_input=False, weight_only=w) for w in (False, True))
         if hasattr(self, "normalization"):      # the norm-fused layers
-            self._norm_name = _interned(norm_config(self.layer, self.normalization, self.eps,
-                                                    self.zero_centered_gamma))
+            self._configs += (norm_config(self.layer, self.normalization, self.eps, self.zero_centered_gamma),)
+            self._norm_name = _interned(self._configs[2])
+        self._config_names = tuple(_interned(c) for c in self._configs[:2])
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for config in self._configs:        # unpickled in a process that has not made them yet
+            _interned(config)
 
     # --- a call -------------------------------------------------------------------------------
 
