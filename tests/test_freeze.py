@@ -209,6 +209,29 @@ def test_compiled_frozen_model_equals_eager_without_a_compile_per_size(recipe):
     assert 1 <= counter.frame_count <= 2
 
 
+@pytest.mark.parametrize("recipe", [p for p in FP8 if p.id in ("current", "delayed")])
+def test_a_compiled_frozen_call_looks_up_no_missing_attribute(recipe, monkeypatch):
+    """Dynamo re-checks before every call what the traced code read; an attribute the code asked
+    for and did not find is re-checked by nn.Module.__getattr__ raising AttributeError, in Python,
+    per layer and per call (a decode step's host time). A compiled frozen call makes none."""
+    torch._dynamo.reset()
+    model, ws = trained(recipe)
+    frozen = tef.freeze(model, recipe, workspaces=ws)
+    compiled = torch.compile(frozen, fullgraph=True, backend="eager")
+    x = torch.randn(2, 8, 64)
+    lookups, module_getattr = [], torch.nn.Module.__getattr__
+
+    def counting(self, name):
+        lookups.append(name)
+        return module_getattr(self, name)
+    with torch.no_grad():
+        want = compiled(x)
+        monkeypatch.setattr(torch.nn.Module, "__getattr__", counting)
+        got = compiled(x)
+    assert torch.equal(got, want)
+    assert lookups == []
+
+
 @pytest.mark.slow
 def test_frozen_model_compiles_with_inductor():
     """The default backend: fullgraph, at most two graphs for three sizes. Inductor's generated

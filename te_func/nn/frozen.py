@@ -109,13 +109,14 @@ class FrozenLayer(nn.Module):
             if delayed:
                 self.register_buffer(f"{g.prefix}input_scale", input_scales[g.weight])
         self.register_buffer(RECIPE_KEY, fingerprint_entry(recipe, casts[self.gemm_specs[0].weight].data.device))
-        # Both configs a call can pick, made once: FP8 x FP8, and weight-only for few tokens.
-        # The layer keeps its configs too, for a pickle of it to bring them into another process's table.
-        self._configs = tuple(GemmConfig.of(recipe, save_input=False, weight_only=w) for w in (False, True))
+        # Both GEMM configs a call can pick, made once: FP8 x FP8, and weight-only for few tokens.
+        gemm = tuple(GemmConfig.of(recipe, save_input=False, weight_only=w) for w in (False, True))
+        self._config_names = tuple(_interned(c) for c in gemm)
+        norm = ()
         if hasattr(self, "normalization"):      # the norm-fused layers
-            self._configs += (norm_config(self.layer, self.normalization, self.eps, self.zero_centered_gamma),)
-            self._norm_name = _interned(self._configs[2])
-        self._config_names = tuple(_interned(c) for c in self._configs[:2])
+            norm = (norm_config(self.layer, self.normalization, self.eps, self.zero_centered_gamma),)
+            self._norm_name = _interned(norm[0])
+        self._configs = gemm + norm   # kept for a pickle of the layer to bring into another process's table
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -229,7 +230,8 @@ class FrozenLayerNormLinear(FrozenLayer):
         inp = self._tokens(inp)
         x = inp.reshape(-1, self.in_features)                                       # (tokens, in)
         (slot,), t = self._slots(x.shape[0])
-        res = call_forward(LayerNormLinearFP8(slot, _CONFIGS[self._norm_name]), x=x, ln_weight=self.layer_norm_weight,
+        norm = _CONFIGS[self._norm_name]
+        res = call_forward(LayerNormLinearFP8(slot, norm), x=x, ln_weight=self.layer_norm_weight,
                            ln_bias=self.layer_norm_bias, bias=None if self.return_bias else self.bias, **t)
         out = res["out"].reshape(*inp.shape[:-1], self.out_features)
         ln_out = res["ln_out"].reshape(inp.shape) if self.return_layernorm_output else None
@@ -244,7 +246,8 @@ class FrozenLayerNormMLP(FrozenLayer):
         inp = self._tokens(inp)
         x = inp.reshape(-1, self.hidden_size)                                       # (tokens, hidden)
         (fc1, fc2), t = self._slots(x.shape[0])
-        res = call_forward(LayerNormMLPFP8(fc1, fc2, _CONFIGS[self._norm_name], activation_spec(self.activation, self.activation_params)), x=x, ln_weight=self.layer_norm_weight,
+        op = LayerNormMLPFP8(fc1, fc2, _CONFIGS[self._norm_name], activation_spec(self.activation, self.activation_params))
+        res = call_forward(op, x=x, ln_weight=self.layer_norm_weight,
                            ln_bias=self.layer_norm_bias, fc1_bias=self.fc1_bias,
                            fc2_bias=None if self.return_bias else self.fc2_bias, **t)
         out = res["out"].reshape(inp.shape)
