@@ -66,7 +66,7 @@ def fc2_cast(h_ptr, amax_ptr, w_ptr, part_ptr, M, N, K, K_PER_SPLIT,
         k = k0 + ks
         w = tl.load(w_ptr + rows[:, None] * K + k[None, :])
         ht = tl.load(h_ptr + toks[None, :] * K + k[:, None], mask=toks[None, :] < M, other=0.0)
-        hq = tl.clamp(ht.to(tl.float32) * scale, -448.0, 448.0).to(tl.float8e4nv)
+        hq = tl.clamp(ht.to(tl.float32) * scale, -448.0, 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
         acc = tl.dot(w, hq, acc)
     tl.store(part_ptr + (pid_k * M + toks[None, :]) * N + rows[:, None], acc, mask=toks[None, :] < M)
 
