@@ -17,7 +17,7 @@ from triton.language.extra import libdevice
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 import te_func as tef
 from te_func.recipe import Float8CurrentScaling
-from inference import TorchMLP, frozen_blocks
+from inference import TorchMLP, captured, frozen_blocks
 OUT = os.environ.get("OUT", "/tmp")
 E4M3 = 448.0
 _INTERP = tl.constexpr(os.environ.get('TRITON_INTERPRET') == '1')
@@ -138,17 +138,11 @@ def check(f, x):
     return ((got.float() - y.float()).norm() / y.float().norm()).item()
 
 
-def graph_ms(fn, x, reps=30):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn(x)
+def graph_ms(fn, x):
+    """fn(x) captured once into a CUDA graph (inference.py's `captured`), its replay timed."""
     from triton.testing import do_bench
-    return do_bench(g.replay, warmup=100, rep=500, return_mode="median")
+    replay = captured(fn, x)
+    return do_bench(lambda: replay(x), warmup=100, rep=500, return_mode="median")
 
 
 def main():
