@@ -18,6 +18,7 @@ import te_func as tef
 import te_func.kernels as kernels
 from cases import detached_params, sqnr
 from te_func.kernels import dispatch
+from te_func.ops import producers
 from te_func.ops.normalization import NormConfig, norm_backward, norm_forward, norm_output
 from te_func.ops.activations import (activation_backward, activation_forward, activation_grad_with_sums,
                                     activation_spec, activation_with_amax)
@@ -636,3 +637,107 @@ def test_weight_only_kernel_compiles_for_hopper(w_dtype, x_dtype):
                                                                "out_ptr": "*" + x_dtype, "numel": "i32"},
                               {"SPLIT": 4, "BLOCK": 1024})
     assert "st.global" in ptx
+
+
+# --- one-launch producers (te_func.kernels.producers) ----------------------------------------------
+
+PRODUCER_SCHEMES = {k: SCHEMES[k] for k in ("current-e4m3", "current-e5m2", "current-pow2-eps")}
+
+
+def _norm_then_cast(x, weight, bias, cfg, s):
+    """The two-launch way: the norm kernel (with the amax), then the cast kernel."""
+    y, _, _, amax = norm_output(x, weight, bias, cfg)
+    q, _ = quantize_scheme(y, s, amax=amax)
+    return q.data, q.scale_inv
+
+
+def _gelu_then_cast(x, bias, s):
+    v, amax, _, _ = activation_with_amax(GELU, x, bias)
+    q, _ = quantize_scheme(v, s, amax=amax)
+    return q.data, q.scale_inv
+
+
+@gpu
+@pytest.mark.parametrize("scheme", list(PRODUCER_SCHEMES), ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(16, 256), (1, 33), (5, 1000), (132, 128)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm-zero-centered"])
+def test_norm_cast_in_one_launch_has_the_two_launches_bits(device, kernels_on, norm, shape, dtype, scheme):
+    cfg, s = NORMS[norm], PRODUCER_SCHEMES[scheme]
+    x = (torch.randn(shape, device=device) * 3 + 1.5).to(dtype)
+    weight = (torch.randn(shape[-1], device=device) * (0.1 if cfg.zero_centered_gamma else 1)).to(dtype)
+    bias = None if cfg.rms else torch.randn(shape[-1], device=device).to(dtype)
+    before = dispatch.calls["fused"]
+    got = producers.norm_cast(x, weight, bias, cfg, s)
+    assert dispatch.calls["fused"] == before + 1
+    assert_same_bits((got.data, got.scale_inv), _norm_then_cast(x, weight, bias, cfg, s))
+
+
+@gpu
+@pytest.mark.parametrize("scheme", list(PRODUCER_SCHEMES), ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(16, 1024), (1, 48), (7, 3000), (64, 2048)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", ""])
+def test_gelu_cast_in_one_launch_has_the_two_launches_bits(device, kernels_on, with_bias, shape, dtype, scheme):
+    s = PRODUCER_SCHEMES[scheme]
+    x = random_input(shape, dtype, device) * 4
+    bias = random_input(shape[-1:], dtype, device) if with_bias else None
+    got = producers.gelu_cast(GELU, x, bias, s)
+    assert_same_bits((got.data, got.scale_inv), _gelu_then_cast(x, bias, s))
+
+
+@gpu
+@pytest.mark.parametrize("special", list(SPECIALS), ids=str)
+def test_producers_on_nan_inf_zeros_and_extremes(device, kernels_on, special):
+    if INTERPRET and special in ("nan", "neg-nan", "inf", "neg-inf", "huge"):
+        pytest.skip("the interpreter's NaN and overflow handling is not the GPU's")
+    s = PRODUCER_SCHEMES["current-e4m3"]
+    x = SPECIALS[special](torch.randn(33, 70, device=device)).to(torch.bfloat16)
+    got = producers.gelu_cast(GELU, x, None, s)
+    assert_same_bits((got.data, got.scale_inv), _gelu_then_cast(x, None, s))
+    w = torch.ones(70, device=device, dtype=torch.bfloat16)
+    got = producers.norm_cast(x, w, None, NORMS["rmsnorm"], s)
+    assert_same_bits((got.data, got.scale_inv), _norm_then_cast(x, w, None, NORMS["rmsnorm"], s))
+
+
+def test_producers_leave_what_they_do_not_take_to_the_usual_path(kernels_on):
+    """More rows than programs at once, other schemes, other activations, vmapped inputs: None."""
+    s = PRODUCER_SCHEMES["current-e4m3"]
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    if INTERPRET:
+        assert producers.fits(x, s, "norm") and producers.fits(x, s, "gelu")
+        assert not producers.fits(torch.randn(200, 64, dtype=torch.bfloat16), s, "norm")
+    else:   # CPU tensors
+        assert not producers.fits(x, s, "norm") and not producers.fits(x, s, "gelu")
+    assert not producers.fits(x, SCHEMES["delayed-e4m3"], "norm")
+    assert not producers.fits(x, Scheme(E4M3, 448.0, (1, 32), "e8m0"), "gelu")
+    assert producers.gelu_cast(activation_spec("relu"), x, None, s) is None
+    seen = []
+    torch.func.vmap(lambda t: (seen.append(producers.fits(t, s, "gelu")), t)[1])(torch.randn(2, 16, 64))
+    assert seen == [False]
+
+
+@pytest.mark.parametrize("kernel", ["norm", "gelu"])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=str)
+def test_producer_kernels_compile_for_hopper_with_their_barrier(kernel, fp8):
+    if INTERPRET:
+        pytest.skip("the interpreter does not compile")
+    pytest.importorskip("triton")
+    from te_func.kernels import cast, producers as kernels_producers
+    fp8_type, mantissa, bias = cast._FP8[fp8]
+    common = {"FP8": fp8_type, "POW2": False, "SOFT": False, "MANTISSA": mantissa, "BIAS": bias, "SLOTS": 128,
+              "PHASE": 0}
+    tail = {"out_ptr": "*u8", "scale_inv_ptr": "*fp32", "slots_ptr": "*i32", "bar_ptr": "*i32"}
+    if kernel == "norm":
+        signature = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "beta_ptr": "*bf16", **tail, "N": "i32",
+                     "inv_n": "fp32", "eps": "fp32", "fp8_max": "fp32", "amax_epsilon": "fp32"}
+        ptx = _compile_for_hopper(kernels_producers._norm_cast_kernel, signature,
+                                  {"RMS": False, "ZERO_CENTERED": True, "HAS_BETA": True, "BLOCK_N": 4096, **common},
+                                  fp_fusion=False)
+    else:
+        signature = {"x_ptr": "*bf16", "b_ptr": "*bf16", **tail, "numel": "i32", "N": "i32", "fp8_max": "fp32",
+                     "amax_epsilon": "fp32"}
+        ptx = _compile_for_hopper(kernels_producers._gelu_cast_kernel, signature,
+                                  {"HAS_BIAS": True, "BLOCK": 2048, **common}, fp_fusion=False)
+    assert "atom" in ptx and "div.rn.f32" in ptx
+    assert f"cvt.rn.satfinite.{'e4m3' if fp8 == E4M3 else 'e5m2'}x2.f32" in ptx
