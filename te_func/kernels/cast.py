@@ -166,22 +166,6 @@ def _scale_from_amax(amax, fp8_max, amax_epsilon, POW2: tl.constexpr):
 
 
 @triton.jit
-def _quantize(x, scale, fp8_max, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA: tl.constexpr,
-              BIAS: tl.constexpr):
-    """fp32 x -> its FP8 bits (uint8) at `scale`, as te_func.quant.tensor._cast: the fp32 product,
-    clamped to +-fp8_max, rounded to nearest even. A NaN product becomes the FP8 NaN 0x7F with
-    its sign, as torch's cast makes it (min/max here would drop the NaN)."""
-    v = x * scale
-    clamped = tl.minimum(tl.maximum(v, -fp8_max), fp8_max)
-    if SOFT_ROUND:
-        q = _round_to_fp8_bits(clamped, MANTISSA, BIAS)
-    else:
-        q = clamped.to(FP8).to(tl.uint8, bitcast=True)
-    sign = ((v.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
-    return tl.where(v != v, sign | 0x7F, q)
-
-
-@triton.jit
 def _cast_kernel(x_ptr, out_ptr, out_t_ptr, scale_inv_ptr, amax_bits_ptr, scale_ptr, M, N,
                  fp8_max, amax_epsilon, FP8: tl.constexpr, GIVEN_SCALE: tl.constexpr,
                  POW2: tl.constexpr, WRITE_T: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA: tl.constexpr,
@@ -206,7 +190,17 @@ def _cast_kernel(x_ptr, out_ptr, out_t_ptr, scale_inv_ptr, amax_bits_ptr, scale_
     if GIVEN_SCALE:
         a = tl.where(x != x, 0.0, tl.abs(x))
         tl.atomic_max(amax_bits_ptr, tl.max(tl.max(a.to(tl.int32, bitcast=True), axis=1), axis=0))
-    q = _quantize(x, scale, fp8_max, FP8, SOFT_ROUND, MANTISSA, BIAS)
+    # te_func.quant.tensor._cast: fp32 product, clamp to +-fp8_max, round to nearest
+    # even. A NaN product becomes the FP8 NaN 0x7F with its sign, as torch's cast makes it
+    # (min/max here would drop the NaN).
+    v = x * scale
+    clamped = tl.minimum(tl.maximum(v, -fp8_max), fp8_max)
+    if SOFT_ROUND:
+        q = _round_to_fp8_bits(clamped, MANTISSA, BIAS)
+    else:
+        q = clamped.to(FP8).to(tl.uint8, bitcast=True)
+    sign = ((v.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    q = tl.where(v != v, sign | 0x7F, q)
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
     if WRITE_T:
         tl.store(out_t_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))

@@ -13,10 +13,6 @@ inductor).
 read once and widened in registers. Unlike the rest it also runs under torch.compile,
 from inside the te_func::weight_only_mm op that the compiled graph calls.
 
-`norm_cast` and `gelu_cast` write a norm's or a GELU's current-scaling cast in one launch
-(te_func.kernels.producers), for few tokens; like `weight_only_mm` they also run under
-torch.compile, called from te_func.ops.producers' ops.
-
 `delayed_update` and `delayed_record` do DelayedScaling's per-role bookkeeping (the
 new scale and the rolled history; a cast's amax into the current slot) in one launch
 each, with the torch code's bits.
@@ -36,8 +32,8 @@ import os
 import torch
 from torch._C import _functorch
 
-__all__ = ["activation", "cast_kernels_available", "delayed_record", "delayed_update", "gelu_cast", "norm_backward",
-           "norm_cast", "norm_forward", "producer_fits", "set_cast_kernels", "tensorwise_cast", "weight_only_mm"]
+__all__ = ["activation", "cast_kernels_available", "delayed_record", "delayed_update", "norm_backward",
+           "norm_forward", "set_cast_kernels", "tensorwise_cast", "weight_only_mm"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_NUMEL = 2**31 - 2**24     # int32 indexing in the kernels
@@ -76,16 +72,6 @@ def _weight_only_module():
     except Exception:   # as _cast_module
         return None
     return weight_only
-
-
-@functools.cache
-def _producers_module():
-    """te_func.kernels.producers, or None where Triton is missing or cannot import."""
-    try:
-        from . import producers
-    except Exception:   # as _cast_module
-        return None
-    return producers
 
 
 @functools.cache
@@ -294,45 +280,6 @@ def delayed_record(history: torch.Tensor, amax: torch.Tensor):
 
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def producer_fits(x: torch.Tensor, kind: str) -> bool:
-    """Whether `norm_cast` (kind "norm") or `gelu_cast` ("gelu") will run for a 2-D x of this
-    shape, dtype and device: they are used only where they will (te_func.ops.producers decides
-    when it traces a call, by the shape: under torch.compile a guard on the token count)."""
-    module = _producers_module()
-    if not (_enabled and module is not None and x.dim() == 2 and x.dtype in _INPUT_DTYPES and x.numel() > 0
-            and _on_kernel_device(x)):
-        return False
-    m, n = x.shape
-    if kind == "norm":
-        return m <= module.max_programs(x.device) and _norm_module() is not None and n <= _norm_module().MAX_HIDDEN
-    return m * n <= module.max_programs(x.device) * module.MAX_TILE
-
-
-def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, rms: bool,
-              zero_centered: bool, dtype: torch.dtype, fp8_max: float, amax_epsilon: float, power_2_scale: bool):
-    """The current-scaling cast of norm(x) (rounded to x's dtype first, as `norm_forward` gives it)
-    in one launch, or None where `producer_fits` says no. x: 2-D plain tensor; weight, bias: the
-    norm's (hidden,) parameters as stored (zero_centered: gamma is 1 + weight). Returns
-    (data, scale_inv)."""
-    if not producer_fits(x, "norm") or weight.shape != x.shape[-1:] or (bias is not None and bias.shape != weight.shape):
-        return None
-    calls["fused"] += 1
-    return _producers_module().norm_cast(x.contiguous(), weight.contiguous(),
-                                         None if bias is None else bias.contiguous(), eps, rms, zero_centered, dtype,
-                                         fp8_max, amax_epsilon, power_2_scale)
-
-
-def gelu_cast(x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, fp8_max: float,
-              amax_epsilon: float, power_2_scale: bool):
-    """The current-scaling cast of gelu(x + bias) (each rounded to x's dtype, as `activation` gives
-    it) in one launch, or None where `producer_fits` says no. Returns (data, scale_inv)."""
-    if not producer_fits(x, "gelu") or (bias is not None and (bias.shape != x.shape[-1:] or bias.dtype != x.dtype)):
-        return None
-    calls["fused"] += 1
-    return _producers_module().gelu_cast(x.contiguous(), None if bias is None else bias.contiguous(), dtype,
-                                         fp8_max, amax_epsilon, power_2_scale)
 
 
 def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor | None:

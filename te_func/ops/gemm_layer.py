@@ -239,16 +239,6 @@ class GemmSlot:
                      n("new_g_record"): None if g_record is None else g_record.clone(),
                      **dict(zip(map(n, ("x_saved", "x_saved_scale_inv", "x_saved_amax")), saved))}
 
-    def forward_quantized(self, t: dict, xq: Quantized, bias: torch.Tensor | None, out_dtype: torch.dtype):
-        """`forward` of a forward-only slot (nothing saved, te_func.freeze) whose input's producer
-        made the input's cast (te_func.ops.producers): (out (tokens, out), this slot's outputs, None)."""
-        n, cfg = self._n, self.cfg
-        if cfg.save_input or cfg.weight_only:
-            raise ValueError("GemmSlot.forward_quantized: for forward-only FP8 x FP8 slots (save_input=False)")
-        w = Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block, t[n("w_amax")])
-        out = gemm(xq, w, out_dtype, fast_accum=cfg.fast_accum[0])
-        return (out if bias is None else out + bias.to(out.dtype)), dict.fromkeys(self.outputs)
-
     def backward(self, s: dict, grad_out: torch.Tensor, need_dx: bool, dx_dtype: torch.dtype | None, ctx):
         """grad_out (tokens, out) -> (dx (tokens, in) or None, dw or None, {g_sink's name: its gradient})."""
         return self.backward_gemms(s, self.backward_cast(s, grad_out, need_dx, ctx), dx_dtype, ctx)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from .activations import Activation, activation_grad_with_sums, activation_with_amax
 from .gemm_layer import GemmSlot
-from . import producers
 from .normalization import NormConfig, norm_backward, norm_output
 
 __all__ = ["LayerNormMLPFP8"]
@@ -35,9 +34,6 @@ class LayerNormMLPFP8:
     fc2: GemmSlot
     norm: NormConfig
     activation: Activation
-    # A forward-only call (te_func.freeze) that returns neither the norm's output nor anything for
-    # a backward: its two casts may come from te_func.ops.producers (few tokens).
-    cast_producers: bool = False
     differentiable = ("out", "ln_out")
 
     @property
@@ -55,10 +51,6 @@ class LayerNormMLPFP8:
                 *self.fc2.saved)
 
     def forward(self, t):
-        if self.cast_producers:
-            out = self._forward_by_producers(t)
-            if out is not None:
-                return out
         x = t["x"]
         ln_out, mean, rsigma, ln_amax = norm_output(x, t["ln_weight"], t["ln_bias"], self.norm)  # (tokens, hidden)
         fc1_out, fc1_state = self.fc1.forward(t, ln_out, None, ln_amax)  # (tokens, fc1 width), bias: next line
@@ -68,22 +60,6 @@ class LayerNormMLPFP8:
             pending = pending.view_as(pending)      # a view: a Function may not save an input it returns as is
         return {"out": out, "ln_out": ln_out, "mean": mean, "rsigma": rsigma, "fc1_out": fc1_out,
                 "fc1_bias_pending": pending, **fc1_state, **fc2_state}
-
-    def _forward_by_producers(self, t):
-        """The forward with its casts made by their producers, or None where the norm's does not
-        run. The same bits as `forward`'s eager kernels; nothing for a backward is returned."""
-        x = t["x"]
-        if self.fc1.cfg.weight_only or not producers.fits(x, self.fc1.cfg.input, "norm"):
-            return None
-        ln_q = producers.norm_cast(x, t["ln_weight"], t["ln_bias"], self.norm, self.fc1.cfg.input)
-        fc1_out, fc1_state = self.fc1.forward_quantized(t, ln_q, None, x.dtype)     # (tokens, fc1 width)
-        act_q = producers.gelu_cast(self.activation, fc1_out, t["fc1_bias"], self.fc2.cfg.input)
-        if act_q is None:       # another activation
-            act_out, act_amax, _, _ = activation_with_amax(self.activation, fc1_out, t["fc1_bias"])
-            out, fc2_state = self.fc2.forward(t, act_out, t["fc2_bias"], act_amax)
-        else:
-            out, fc2_state = self.fc2.forward_quantized(t, act_q, t["fc2_bias"], x.dtype)
-        return {"out": out, **fc1_state, **fc2_state}
 
     def backward(self, s, grads, ctx):
         g, need = grads["out"], ctx.need
