@@ -15,6 +15,8 @@ Part 2. Triton's FP8 `tl.dot` on sm_90 accumulates in the tensor cores' reduced 
 `max_num_imprecise_acc` says otherwise (Triton's default there is 2**30: never promoted). The error
 of each accumulation against float64, next to cuBLAS's `_scaled_mm` with and without fast
 accumulation, on the same FP8 operands.
+
+Not used by te_func; results in docs/benchmarks.md, "Decode casts in one launch".
 """
 import json
 import os
