@@ -21,25 +21,12 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from inference import TorchMLP, captured, frozen_blocks  # noqa: E402
+from profile_step import kernels_per_call  # noqa: E402
 from te_func.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
 
 REPLAYS = 50
 HIDDEN, FFN = 4096, 14336
 RECIPES = {"current": Float8CurrentScaling, "delayed": DelayedScaling}
-
-
-def kernels_per_call(replay, x) -> list[tuple[str, float, float]]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(REPLAYS):
-            replay(x)
-        torch.cuda.synchronize()
-    by_name: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            k = by_name.setdefault(e.name, [0, 0.0])
-            k[0] += 1
-            k[1] += e.device_time
-    return sorted(((n, c / REPLAYS, us / REPLAYS) for n, (c, us) in by_name.items()), key=lambda r: -r[2])
 
 
 def main(argv=None):
@@ -60,7 +47,7 @@ def main(argv=None):
             for name, model in models.items():
                 replay = captured(torch.compile(model, fullgraph=True), x)
                 ms = do_bench(lambda: replay(x), warmup=100, rep=500, return_mode="median")
-                rows = kernels_per_call(replay, x)
+                rows = kernels_per_call(lambda: replay(x), REPLAYS)
                 total = sum(r[2] for r in rows)
                 print(f"\n{name}, {tokens} tokens: replay {ms * 1e3:.1f} us, kernels {total:.1f} us per call")
                 for n, calls, us in rows:

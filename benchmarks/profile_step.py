@@ -33,6 +33,22 @@ def is_gemm(name: str) -> bool:
     return not name.startswith(("triton_poi", "triton_red", "triton_per")) and any(m in name.lower() for m in GEMM_MARKS)
 
 
+def kernels_per_call(fn, calls: int) -> list[tuple[str, float, float]]:
+    """`calls` calls of fn() under torch.profiler: (kernel name, launches per call, us per call),
+    by GPU time, largest first."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time
+    return sorted(((n, c / calls, us / calls) for n, (c, us) in kernels.items()), key=lambda r: -r[2])
+
+
 def profile_case(case: str, device, keep_weight_cache: bool = False) -> dict:
     wname, variant = case.split("/")
     w = next(w for w in workloads(False) if w.name == wname)
@@ -42,17 +58,7 @@ def profile_case(case: str, device, keep_weight_cache: bool = False) -> dict:
     torch.cuda.synchronize()
     ms = time_ms(step.fn, device)
     peak = _peak_bytes(step, device)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            step.fn()
-        torch.cuda.synchronize()
-    kernels: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels.setdefault(e.name, [0, 0.0])
-            k[0] += 1
-            k[1] += e.device_time
-    rows = sorted(((n, c / STEPS, us / STEPS) for n, (c, us) in kernels.items()), key=lambda r: -r[2])
+    rows = kernels_per_call(step.fn, STEPS)
     total = sum(r[2] for r in rows)
     gemm = sum(r[2] for r in rows if is_gemm(r[0]))
     lines = [f"{case}: step {ms * 1e3:.0f} us (do_bench median), kernels {total:.0f} us, "
