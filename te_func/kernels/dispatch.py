@@ -126,9 +126,10 @@ def _applies(x: torch.Tensor) -> bool:
 
 
 def _on_kernel_device(x: torch.Tensor) -> bool:
-    """x is where the kernels run: an FP8-capable CUDA device, or anywhere under Triton's interpreter."""
+    """x is where the kernels run: an FP8-capable CUDA device, or under Triton's interpreter any
+    device with data (not meta: a model built there has no values to read)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
+        return x.device.type != "meta"
     return x.is_cuda and _has_fp8_conversions(x.device.index if x.device.index is not None
                                               else torch.cuda.current_device())
 
