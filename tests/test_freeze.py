@@ -145,6 +145,34 @@ def test_a_format2_frozen_checkpoint_loads():
     assert torch.equal(fresh(x), frozen(x))
 
 
+def test_frozen_delayed_model_computes_no_reciprocal_per_call():
+    """Under DelayedScaling the input scales are constants of a frozen model: their reciprocals (the
+    casts' decode factors) are buffers made at freezing and on each load, outside the state_dict,
+    so a compiled call has no reciprocal op (one kernel launch per GEMM at decode sizes)."""
+    recipe = DelayedScaling()
+    model, ws = trained(recipe)
+    frozen = tef.freeze(model, recipe, workspaces=ws)
+    x = torch.randn(2, 8, 64)
+    backend = torch._dynamo.testing.AotEagerAndRecordGraphs()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(frozen, fullgraph=True, backend=backend)(x), cached_forward(model, ws, recipe, x))
+    ops = [n.target for g in backend.fw_graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.mm.default in ops or any("scaled_mm" in str(op) for op in ops)
+    assert not any("reciprocal" in str(op) for op in ops)
+    assert not any(k.endswith("input_scale_inv") for k in frozen.state_dict())
+    # Loading other scales (a checkpoint of another training step) makes their reciprocals anew.
+    model2, ws2 = trained(recipe, copy.deepcopy(model))
+    other = tef.freeze(model2, recipe, workspaces=ws2)
+    scales = [k for k in frozen.state_dict() if k.endswith("input_scale")]
+    assert scales and any(not torch.equal(frozen.state_dict()[k], other.state_dict()[k]) for k in scales)
+    frozen.load_state_dict(other.state_dict())
+    for name, buf in frozen.named_buffers():
+        if name.endswith("input_scale_inv"):
+            assert torch.equal(buf, torch.reciprocal(frozen.get_buffer(name.removesuffix("_inv"))))
+    with torch.no_grad():
+        assert torch.equal(frozen(x), other(x))
+
+
 @pytest.mark.parametrize("recipe", FP8)
 def test_frozen_skeleton_on_meta_loads_a_checkpoint_with_assign(recipe, tmp_path):
     """No high-precision weight is ever made: a model built on meta freezes to a skeleton on meta,

@@ -6,6 +6,7 @@ A frozen layer holds, for each of its GEMMs, only what the forward GEMM reads:
     {weight}_cast.scale_inv   () or blocks     its decode factors
     {prefix}input_scale       () float32       DelayedScaling only: the scale the GEMM's input
                                                is quantized with (fixed: inference updates nothing)
+                                               (and its reciprocal, a buffer outside the state_dict)
 
 named as the workspace entries they come from, plus the layer's other parameters under
 TE's names (biases, norm weights; requires_grad False) and `te_func_recipe`, the
@@ -100,6 +101,8 @@ class FrozenLayer(nn.Module):
         delayed = isinstance(recipe, DelayedScaling)
         self._gemm_names = tuple((g.weight, f"{g.prefix}input_scale" if delayed else None)
                                  for g in self.gemm_specs)
+        # ... and the reciprocal of each input scale, the cast's decode factor: made here (and on
+        # each load), not by every call, where it was a kernel launch per GEMM at decode sizes.
         weights = {g.weight for g in self.gemm_specs}
         for name, p in source._parameters.items():
             if name not in weights:
@@ -108,6 +111,8 @@ class FrozenLayer(nn.Module):
             self.add_module(f"{g.weight}_cast", FrozenCast(casts[g.weight]))
             if delayed:
                 self.register_buffer(f"{g.prefix}input_scale", input_scales[g.weight])
+        self._make_input_scale_invs()
+        self.register_load_state_dict_post_hook(_after_load)
         self.register_buffer(RECIPE_KEY, fingerprint_entry(recipe, casts[self.gemm_specs[0].weight].data.device))
         # Both GEMM configs a call can pick, made once: FP8 x FP8, and weight-only for few tokens.
         gemm = tuple(GemmConfig.of(recipe, save_input=False, weight_only=w) for w in (False, True))
@@ -122,6 +127,15 @@ class FrozenLayer(nn.Module):
         super().__setstate__(state)
         for config in self._configs:        # unpickled in a process that has not made them yet
             _interned(config)
+        self._make_input_scale_invs()       # pickled by a te_func that kept none
+
+    def _make_input_scale_invs(self):
+        """Buffers `{scale}_inv` = reciprocal of each input-scale buffer (DelayedScaling), as the cast
+        computes it; not in the state_dict (made from the scales it holds)."""
+        for _, scale_name in self._gemm_names:
+            if scale_name is not None:
+                self.register_buffer(scale_name + "_inv", torch.reciprocal(getattr(self, scale_name)),
+                                     persistent=False)
 
     # --- a call -------------------------------------------------------------------------------
 
@@ -152,8 +166,10 @@ class FrozenLayer(nn.Module):
         slots, tensors = [], {}
         for weight, scale_name in self._gemm_names:
             slot = GemmSlot(cfg, weight, f"{weight}.")
-            scale = None if scale_name is None else getattr(self, scale_name)
-            tensors.update(slot.forward_inputs(self.get_submodule(f"{weight}_cast").quantized(), scale))
+            # Weight-only GEMMs do not quantize their input: its scale is not read (nor guarded).
+            scale, scale_inv = (None, None) if scale_name is None or weight_only else \
+                (getattr(self, scale_name), getattr(self, scale_name + "_inv"))
+            tensors.update(slot.forward_inputs(self.get_submodule(f"{weight}_cast").quantized(), scale, scale_inv))
             slots.append(slot)
         return tuple(slots), tensors
 
@@ -208,6 +224,12 @@ class FrozenLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe!r}, weight_only_tokens={self.weight_only_tokens}"
+
+
+def _after_load(layer: FrozenLayer, incompatible_keys):
+    # A load_state_dict post-hook: the input scales may be new tensors (or, loaded with
+    # assign=True into a skeleton on meta, the first real ones).
+    layer._make_input_scale_invs()
 
 
 class FrozenLinear(FrozenLayer):

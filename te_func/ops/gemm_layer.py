@@ -31,7 +31,7 @@ Tensors of a slot with prefix p (None where the recipe keeps no such state):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -79,13 +79,17 @@ class GemmConfig:
 
 
 def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: GemmConfig,
-                 x_state: DelayedState | BatchAmax | None = None, x_amax: torch.Tensor | None = None):
+                 x_state: DelayedState | BatchAmax | None = None, x_amax: torch.Tensor | None = None,
+                 x_scale_inv: torch.Tensor | None = None):
     """x (tokens, in) @ w (out, in).T + bias -> (out (tokens, out), x's cast, x.T's cast or None, new x state).
 
     The cast of x.T (blocks along tokens, what the weight-gradient GEMM reads) is made
     when backward needs it, in the same pass as x's where the scheme allows. With
     cfg.weight_only x is not quantized (both casts None, the state as it was).
     x_amax: max |x| where x's producer took it (te_func.quant.quantize_scheme's `amax`).
+    x_scale_inv: the reciprocal of x_state's scale (DelayedScaling) where the caller keeps it, as
+    the cast computes it: x's cast takes it, and the cast's own reciprocal is left unused (a
+    compiled graph drops it).
     """
     if cfg.weight_only:
         out = weight_only_gemm(x, w)
@@ -94,6 +98,8 @@ def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: 
         xq, xq_t, new_state = quantize_with_transpose(x, cfg.input, x_state, x_amax)
     else:
         (xq, new_state), xq_t = quantize_scheme(x, cfg.input, x_state, x_amax), None
+    if x_scale_inv is not None:
+        xq = replace(xq, scale_inv=x_scale_inv)
     out = gemm(xq, w, x.dtype, fast_accum=cfg.fast_accum[0])
     if bias is not None:
         out = out + bias.to(out.dtype)
@@ -206,12 +212,14 @@ class GemmSlot:
             ("x_record", record(x_state)), ("x_scale", scale(x_state)),
             ("g_sink", g_sink), ("g_record", record(g_state)), ("g_scale", scale(g_state)), ("g_rng", g_rng))}
 
-    def forward_inputs(self, w: Quantized, x_scale: torch.Tensor | None) -> dict:
+    def forward_inputs(self, w: Quantized, x_scale: torch.Tensor | None,
+                       x_scale_inv: torch.Tensor | None = None) -> dict:
         """This slot's input tensors for a forward-only call (inference, te_func.freeze): the
-        forward GEMM's weight cast and, under DelayedScaling, the input's scale alone."""
+        forward GEMM's weight cast and, under DelayedScaling, the input's scale alone (and
+        its reciprocal where the caller keeps it: `forward_gemm`'s x_scale_inv)."""
         return {self._n(k): v for k, v in (
             ("w", w.data), ("w_scale_inv", w.scale_inv), ("w_amax", w.global_amax), ("x_record", None),
-            ("x_scale", x_scale), ("g_record", None))}
+            ("x_scale", x_scale), ("x_scale_inv", x_scale_inv), ("g_record", None))}
 
     def new_states(self, outputs: dict, x_state, g_state):
         """The input and grad roles' states after the call: `x_state` with this call's amax
@@ -226,7 +234,7 @@ class GemmSlot:
         n, cfg = self._n, self.cfg
         w = Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block, t[n("w_amax")])
         out, xq, xq_t, new_x = forward_gemm(x, w, bias, cfg, _state(cfg.input, t[n("x_record")], t[n("x_scale")]),
-                                            x_amax)
+                                            x_amax, t.get(n("x_scale_inv")))
         saved = (None, None, None)
         if cfg.save_input:
             saved = {None: (None, None, None) if xq_t is None else (xq_t.data, xq_t.scale_inv, xq_t.global_amax),
