@@ -128,6 +128,8 @@ class FrozenLayer(nn.Module):
         for config in self._configs:        # unpickled in a process that has not made them yet
             _interned(config)
         self._make_input_scale_invs()       # pickled by a te_func that kept none
+        if _after_load not in self._load_state_dict_post_hooks.values():
+            self.register_load_state_dict_post_hook(_after_load)
 
     def _make_input_scale_invs(self):
         """Buffers `{scale}_inv` = reciprocal of each input-scale buffer (DelayedScaling), as the cast
