@@ -101,8 +101,6 @@ class FrozenLayer(nn.Module):
         delayed = isinstance(recipe, DelayedScaling)
         self._gemm_names = tuple((g.weight, f"{g.prefix}input_scale" if delayed else None)
                                  for g in self.gemm_specs)
-        # ... and the reciprocal of each input scale, the cast's decode factor: made here (and on
-        # each load), not by every call, where it was a kernel launch per GEMM at decode sizes.
         weights = {g.weight for g in self.gemm_specs}
         for name, p in source._parameters.items():
             if name not in weights:
@@ -111,6 +109,8 @@ class FrozenLayer(nn.Module):
             self.add_module(f"{g.weight}_cast", FrozenCast(casts[g.weight]))
             if delayed:
                 self.register_buffer(f"{g.prefix}input_scale", input_scales[g.weight])
+        # The reciprocal of each input scale, the cast's decode factor: made here (and on each load),
+        # not by every call, where it was a kernel launch per GEMM at decode sizes.
         self._make_input_scale_invs()
         self.register_load_state_dict_post_hook(_after_load)
         self.register_buffer(RECIPE_KEY, fingerprint_entry(recipe, casts[self.gemm_specs[0].weight].data.device))
