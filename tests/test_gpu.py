@@ -339,6 +339,59 @@ def test_frozen_model_under_cuda_graphs_records_once_and_replays(cuda, recipe, w
     assert len(recorded) == 1, len(recorded)
 
 
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_a_compiled_frozen_decode_step_casts_its_inputs_in_two_passes(cuda, tokens):
+    """Current scaling at decode sizes: each GEMM input's cast in the compiled frozen model is the
+    producer's pass with partial maxes (inductor's norm, the GELU kernel as te_func::gelu_partials),
+    then te_func::cast_from_partials; the same bits as inductor's own chain (the kernels off)."""
+    from te_func.kernels import dispatch
+    recipe = Float8CurrentScaling()
+    _, _, frozen = _frozen_block(cuda, recipe)
+    x = torch.randn(tokens, 256, device=cuda, dtype=torch.bfloat16)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    with torch.no_grad():
+        torch._dynamo.reset()
+        torch.compile(frozen, fullgraph=True, backend=recording)(x)
+        ops = [n.target for n in graphs[-1].graph.nodes]
+        calls = {name: sum(t in (op, op.default) for t in ops)
+                 for name, op in (("cast", torch.ops.te_func.cast_from_partials),
+                                  ("gelu", torch.ops.te_func.gelu_partials))}
+        assert calls == {"cast": 4, "gelu": 2}      # two blocks: two casts and one GELU each
+        torch._dynamo.reset()
+        got = torch.compile(frozen, fullgraph=True)(x)
+        previous = te_func.kernels.set_cast_kernels(False)
+        try:
+            torch._dynamo.reset()
+            before = dispatch.calls["fused"]
+            want = torch.compile(frozen, fullgraph=True)(x)
+            assert dispatch.calls["fused"] == before
+        finally:
+            te_func.kernels.set_cast_kernels(previous)
+    assert torch.equal(got, want)
+
+
+def test_a_frozen_model_exports_on_cuda_with_a_dynamic_batch_and_a_static_one(cuda):
+    """torch.export on the GPU: a dynamic token dim keeps inductor's own casts (a size test of the
+    decode-sized casts would narrow the dim's range); a static decode shape calls te_func's ops.
+    Both match the eager frozen model to FP8 noise (inductor's norm sums in another order)."""
+    _, _, frozen = _frozen_block(cuda, Float8CurrentScaling())
+    x = torch.randn(16, 256, device=cuda, dtype=torch.bfloat16)
+    with torch.no_grad():
+        dynamic = torch.export.export(frozen, (x,), dynamic_shapes=({0: torch.export.Dim("tokens", max=4096)},))
+        static = torch.export.export(frozen, (x,))
+        targets = {str(n.target) for n in static.graph.nodes}
+        # the op itself, or its Triton kernel where export traced into it
+        assert any("cast_from_partials" in t or "triton_kernel_wrapper" in t for t in targets), targets
+        for n in (3, 16, 300):
+            y = torch.randn(n, 256, device=cuda, dtype=torch.bfloat16)
+            assert sqnr(frozen(y).double(), dynamic.module()(y).double()) > 20
+        assert sqnr(frozen(x).double(), static.module()(x).double()) > 20
+
+
 def test_freeze_from_cpu_to_cuda_moves_only_fp8(cuda):
     """A bf16 model on the CPU frozen onto the GPU: the device never holds a high-precision GEMM
     weight (peak device memory below the bf16 weights' bytes); the result equals freezing on the GPU."""

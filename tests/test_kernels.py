@@ -9,6 +9,7 @@ Each test runs the same cast twice, kernels on and off, and compares the bits.
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 
 import pytest
@@ -21,8 +22,9 @@ from te_func.kernels import dispatch
 from te_func.ops.normalization import NormConfig, norm_backward, norm_forward, norm_output
 from te_func.ops.activations import (activation_backward, activation_forward, activation_grad_with_sums,
                                     activation_spec, activation_with_amax)
-from te_func.quant import DelayedState, Scheme, quantize_scheme, quantize_with_transpose
-from te_func.quant.tensor import amax_of
+from te_func.quant import DelayedState, Quantized, Scheme, quantize_scheme, quantize_with_transpose
+from te_func.quant.scheme import scale_from_amax
+from te_func.quant.tensor import abs_skipping_nan, amax_of, cast_with_scale
 from te_func.recipe import DelayedScaling, Float8CurrentScaling
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -179,7 +181,120 @@ def test_compiled_cast_takes_the_torch_path_and_agrees(device, kernels_on):
     assert_same_bits(got, quantize_with_transpose(x, s))
 
 
+# --- the compiled graphs' cast: te_func::cast_from_partials --------------------------------------
+
+def _partials(x, row):
+    return abs_skipping_nan(x).reshape(-1, row).amax(1)
+
+
+def _partials_op(x, partials, s):
+    """te_func::cast_from_partials (registered where te_func.kernels.cast imports)."""
+    assert dispatch._cast_module() is not None
+    return Quantized(*kernels.cast_from_partials(x, partials, s.dtype, s.fp8_max, s.amax_epsilon, s.power_2_scale))
+
+
+def _torch_cast(x, s):
+    """te_func.quant's torch path for current scaling, spelled out: the scale of amax_of(x)."""
+    return cast_with_scale(x, scale_from_amax(amax_of(x), s.fp8_max, s.amax_epsilon, s.power_2_scale), s)
+
+
+CURRENT = [k for k in SCHEMES if k.startswith("current")]
+
+
+@gpu
+@pytest.mark.parametrize("row", ["whole-rows", "chunks"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", SHAPES + [(16, 14336), (3, 2 * 1024 + 16)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("scheme", CURRENT, ids=str)
+def test_cast_from_partials_matches_the_torch_path(device, scheme, shape, dtype, row):
+    s, x = SCHEMES[scheme], random_input(shape, dtype, device)
+    row = shape[-1] if row == "whole-rows" or shape[-1] % 2 else shape[-1] // 2
+    assert_same_bits(_partials_op(x, _partials(x, row), s), _torch_cast(x, s))
+
+
+@gpu
+@pytest.mark.parametrize("special", list(SPECIALS), ids=str)
+@pytest.mark.parametrize("scheme", CURRENT, ids=str)
+def test_cast_from_partials_on_nan_inf_zeros_and_extremes(device, scheme, special):
+    s = SCHEMES[scheme]
+    x = SPECIALS[special](torch.randn(33, 70, device=device))
+    assert_same_bits(_partials_op(x, _partials(x, 35), s), _torch_cast(x, s))
+
+
+def _recording(graphs):
+    """A torch.compile backend that keeps dynamo's graph and runs it as written (aot_eager)."""
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+    return backend
+
+
+def _op_calls(gm, op) -> int:
+    """How many calls of the te_func op `op` (the packet or its overload) the graph makes."""
+    return sum(n.target in (op, op.default) for n in gm.graph.nodes)
+
+
+def _calls_partials_op(gm) -> bool:
+    return _op_calls(gm, torch.ops.te_func.cast_from_partials) > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheme", CURRENT, ids=str)
+def test_a_compiled_small_cast_is_two_passes_with_the_torch_paths_bits(device, kernels_on, scheme):
+    """Under torch.compile a decode-sized current-scaling cast takes its amax as partial maxes and
+    calls te_func::cast_from_partials; a large one keeps inductor's own amax. Both give the torch
+    path's bits, under aot_eager and under inductor."""
+    s = SCHEMES[scheme]
+    torch._dynamo.reset()
+    for shape, small in (((16, 14336), True), ((2, 8, 4096), True), ((4096, 4096), False)):
+        x = random_input(shape, torch.bfloat16, device)
+        graphs = []
+        got = torch.compile(lambda x: quantize_scheme(x, s)[0], fullgraph=True, backend=_recording(graphs))(x)
+        assert _calls_partials_op(graphs[-1]) == small, shape
+        assert_same_bits(got, _torch_cast(x, s))
+        assert_same_bits(torch.compile(lambda x: quantize_scheme(x, s)[0], fullgraph=True)(x), _torch_cast(x, s))
+    kernels.set_cast_kernels(False)     # off: the torch path under compile too
+    graphs = []
+    torch.compile(lambda x: quantize_scheme(x, s)[0], fullgraph=True, backend=_recording(graphs))(x[:16])
+    assert not _calls_partials_op(graphs[-1])
+
+
+@pytest.mark.cuda
+def test_the_partials_ops_under_vmap_take_one_amax_per_sample(device, kernels_on):
+    s, x = SCHEMES["current-e4m3"], random_input((3, 20, 48), torch.bfloat16, device)
+    x[1] *= 100
+    q = torch.func.vmap(lambda xi: _partials_op(xi, _partials(xi, 48), s))(x)
+    v, partials = torch.func.vmap(lambda xi: torch.ops.te_func.gelu_partials(xi, None))(x)
+    for i in range(3):
+        assert_same_bits(Quantized(q.data[i], q.scale_inv[i]), _torch_cast(x[i], s))
+        assert_same_bits((v[i], partials[i]), torch.ops.te_func.gelu_partials(x[i], None))
+
+
 GELU = activation_spec("gelu")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", SHAPES + [(16, 14336)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("special", ["random", "nan"])
+def test_gelu_partials_is_the_gelu_kernel_with_each_tiles_max(device, special, shape, dtype):
+    """te_func::gelu_partials: the GELU kernel's v (fc1's bias added on the way), and per tile of
+    its grid the max |v| (NaN skipped), which together are amax_of(v)."""
+    from te_func.kernels import cast
+    x = random_input(shape, dtype, device)
+    if special == "nan":
+        x[0, 0] = float("nan")
+    bias = torch.randn(shape[-1], device=device).to(dtype)
+    assert dispatch._cast_module() is not None
+    v, partials = torch.ops.te_func.gelu_partials(x, bias)
+    want = activation_forward(GELU, x + bias)
+    assert torch.equal(v.isnan(), want.isnan())
+    assert_same_activation((v.nan_to_num(),), (want.nan_to_num(),))
+    tm, tn = cast.GELU_PARTIALS_TILE_M, cast.GELU_PARTIALS_TILE_N
+    tiles = torch.nn.functional.pad(abs_skipping_nan(v), (0, -shape[1] % tn, 0, -shape[0] % tm))
+    tiles = tiles.reshape(tiles.shape[0] // tm, tm, tiles.shape[1] // tn, tn).amax(dim=(1, 3)).reshape(-1)
+    assert_same_bits(partials, tiles)
+    assert_same_bits(partials.amax(), amax_of(v))
 
 
 def assert_same_activation(got, want):
@@ -500,6 +615,61 @@ def test_every_kernel_variant_compiles_for_hopper(variant):
     amax = _compile_for_hopper(cast._amax_kernel, {"x_ptr": "*" + x_dtype, "amax_bits_ptr": "*i32", "numel": "i32",
                                                    "iters": "i32"}, {"BLOCK": cast.AMAX_BLOCK})
     assert "atom" in amax
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("pow2", [False, True], ids=["", "pow2"])
+def test_the_partials_cast_kernel_compiles_for_hopper(pow2, fp8):
+    if INTERPRET:
+        pytest.skip("the interpreter does not compile")
+    pytest.importorskip("triton")
+    from te_func.kernels import cast
+    fp8_type, mantissa, bias = cast._FP8[fp8]
+    signature = {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv" if fp8 == E4M3 else "*fp8e5", "scale_inv_ptr": "*fp32",
+                 "partials_ptr": "*fp32", "n_partials": "i32", "M": "i32", "N": "i32", "fp8_max": "fp32",
+                 "amax_epsilon": "fp32"}
+    ptx = _compile_for_hopper(cast._partials_cast_kernel, signature, {
+        "FP8": fp8_type, "POW2": pow2, "SOFT_ROUND": False, "MANTISSA": mantissa, "BIAS": bias,
+        "BLOCK_M": cast.PARTIALS_TILE_M, "BLOCK_N": cast.PARTIALS_TILE_N, "BLOCK_P": cast.PARTIALS_BLOCK})
+    assert "div.rn.f32" in ptx and f"cvt.rn.satfinite.{'e4m3' if fp8 == E4M3 else 'e5m2'}x2.f32" in ptx
+    gelu = _compile_for_hopper(cast._activation_kernel, {
+        "x_ptr": "*bf16", "y_ptr": "*bf16", "b_ptr": "*bf16", "v_ptr": "*bf16", "amax_bits_ptr": "*fp32",
+        "colsum_ptr": "*fp32", "M": "i32", "N": "i32"}, {"ACT": 1, "HAS_BIAS": True, "COLSUM": False, "PARTIALS": True,
+                                                        "BLOCK_M": cast.GELU_PARTIALS_TILE_M,
+                                                        "BLOCK_N": cast.GELU_PARTIALS_TILE_N}, fp_fusion=False)
+    assert "atom" not in gelu and "fma.rn.f32" not in gelu      # a store per tile; each product rounded
+
+
+def test_a_compiled_graph_casts_with_the_partial_maxes_the_gelu_kernel_wrote():
+    """The graph AOTAutograd makes of gelu_partials -> cast_from_partials (traced on fake CUDA
+    tensors, no GPU needed): the cast reads the buffer the GELU kernel writes its maxes into. A
+    buffer passed to a kernel twice comes back as two copies, one of them never written."""
+    if INTERPRET:
+        pytest.skip("the interpreter's kernels cannot be traced")
+    pytest.importorskip("triton")
+    from torch._functorch.aot_autograd import aot_function
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    assert dispatch._cast_module() is not None
+    graphs = []
+
+    def step(x, b):
+        v, partials = torch.ops.te_func.gelu_partials(x, b)
+        return torch.ops.te_func.cast_from_partials(v, partials, E4M3, 448.0, 0.0, False)
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(16, 512, dtype=torch.bfloat16, device="cuda")
+        b = torch.empty(512, dtype=torch.bfloat16, device="cuda")
+        try:
+            aot_function(step, keep)(x, b)
+        except RuntimeError:
+            pass        # running the traced graph needs a GPU; the trace is what is checked
+    wrapper = torch.ops.higher_order.triton_kernel_wrapper_functional
+    gelu, cast_ = [n for n in graphs[0].graph.nodes if n.target is wrapper]
+    read = cast_.kwargs["kwargs"]["partials_ptr"]
+    assert read.target is operator.getitem and read.args == (gelu, "amax_bits_ptr")
 
 
 @pytest.mark.parametrize("x_dtype", ["bf16", "fp16", "fp32"])

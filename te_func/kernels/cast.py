@@ -85,9 +85,10 @@ def _round_to(v, dtype: tl.constexpr):
 @triton.jit
 def _activation_kernel(x_ptr, y_ptr, b_ptr, v_ptr, amax_bits_ptr, colsum_ptr, M, N, ACT: tl.constexpr,
                        HAS_BIAS: tl.constexpr, COLSUM: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       BLOCK_N: tl.constexpr, PARTIALS: tl.constexpr = False):
     """v = gelu(x) (ACT_GELU) or x * gelu'(y) (ACT_DGELU), x and y (M, N) contiguous, written in x's
-    dtype (the formulas' fp32 result rounded once), with max |v| recorded into amax_bits_ptr (as `_amax_kernel`)
+    dtype (the formulas' fp32 result rounded once), with max |v| recorded into amax_bits_ptr (as `_amax_kernel`;
+    with PARTIALS each tile's max instead, fp32, at amax_bits_ptr[pid_m * programs along N + pid_n])
     and, with COLSUM, each tile's column sums of v (fp32) in row pid_m of colsum_ptr
     (cdiv(M, BLOCK_M), N), which the caller adds up in a fixed order. With HAS_BIAS the GELU's
     input (x, or y) is first added the bias b (N,), rounded to x's dtype as torch's `+` rounds it."""
@@ -108,7 +109,10 @@ def _activation_kernel(x_ptr, y_ptr, b_ptr, v_ptr, amax_bits_ptr, colsum_ptr, M,
     v = tl.where(mask, _round_to(v, x.dtype), 0.0)     # masked off: out of the amax and the sums
     tl.store(v_ptr + offs, v.to(x.dtype), mask=mask)
     a = tl.where(v != v, 0.0, tl.abs(v))
-    tl.atomic_max(amax_bits_ptr, tl.max(tl.max(a.to(tl.int32, bitcast=True), axis=1), axis=0))
+    if PARTIALS:
+        tl.store(amax_bits_ptr + pid_m * tl.num_programs(1) + pid_n, tl.max(tl.max(a, axis=1), axis=0))
+    else:
+        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(a.to(tl.int32, bitcast=True), axis=1), axis=0))
     if COLSUM:
         tl.store(colsum_ptr + pid_m * N + rn, tl.sum(v, axis=0), mask=rn < N)
 
@@ -166,6 +170,22 @@ def _scale_from_amax(amax, fp8_max, amax_epsilon, POW2: tl.constexpr):
 
 
 @triton.jit
+def _fp8_bits(x, scale, fp8_max, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA: tl.constexpr,
+              BIAS: tl.constexpr):
+    """te_func.quant.tensor._cast of fp32 x with `scale`, as the FP8 bits (uint8): fp32 product,
+    clamp to +-fp8_max, round to nearest even. A NaN product becomes the FP8 NaN 0x7F with its
+    sign, as torch's cast makes it (min/max here would drop the NaN)."""
+    v = x * scale
+    clamped = tl.minimum(tl.maximum(v, -fp8_max), fp8_max)
+    if SOFT_ROUND:
+        q = _round_to_fp8_bits(clamped, MANTISSA, BIAS)
+    else:
+        q = clamped.to(FP8).to(tl.uint8, bitcast=True)
+    sign = ((v.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    return tl.where(v != v, sign | 0x7F, q)
+
+
+@triton.jit
 def _cast_kernel(x_ptr, out_ptr, out_t_ptr, scale_inv_ptr, amax_bits_ptr, scale_ptr, M, N,
                  fp8_max, amax_epsilon, FP8: tl.constexpr, GIVEN_SCALE: tl.constexpr,
                  POW2: tl.constexpr, WRITE_T: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA: tl.constexpr,
@@ -190,17 +210,7 @@ def _cast_kernel(x_ptr, out_ptr, out_t_ptr, scale_inv_ptr, amax_bits_ptr, scale_
     if GIVEN_SCALE:
         a = tl.where(x != x, 0.0, tl.abs(x))
         tl.atomic_max(amax_bits_ptr, tl.max(tl.max(a.to(tl.int32, bitcast=True), axis=1), axis=0))
-    # te_func.quant.tensor._cast: fp32 product, clamp to +-fp8_max, round to nearest
-    # even. A NaN product becomes the FP8 NaN 0x7F with its sign, as torch's cast makes it
-    # (min/max here would drop the NaN).
-    v = x * scale
-    clamped = tl.minimum(tl.maximum(v, -fp8_max), fp8_max)
-    if SOFT_ROUND:
-        q = _round_to_fp8_bits(clamped, MANTISSA, BIAS)
-    else:
-        q = clamped.to(FP8).to(tl.uint8, bitcast=True)
-    sign = ((v.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
-    q = tl.where(v != v, sign | 0x7F, q)
+    q = _fp8_bits(x, scale, fp8_max, FP8, SOFT_ROUND, MANTISSA, BIAS)
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
     if WRITE_T:
         tl.store(out_t_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
@@ -253,3 +263,96 @@ def activation(x2d: torch.Tensor, y2d: torch.Tensor | None, act: str, column_sum
                              n, ACT=ACTIVATIONS[act], HAS_BIAS=bias is not None, COLSUM=column_sums,
                              BLOCK_M=ACT_TILE_M, BLOCK_N=ACT_TILE_N, num_warps=4, enable_fp_fusion=False)
     return v, bits, partial.sum(0) if column_sums else None
+
+
+# --- the casts a compiled graph calls -----------------------------------------------------------
+# Under torch.compile, a small x (a decode step's) is written with the max |x| of each of its
+# pieces by the pass that makes it: inductor's (a norm's rows, te_func.quant.tensor) or the
+# GELU kernel's tiles (`gelu_partials`); `cast_from_partials` then reduces those few partial
+# maxes in every program and casts its tile. Two launches per cast, where inductor's own
+# chain takes three (the partial maxes, their max, the cast), each launch costing about as
+# much as the work at these sizes.
+# Tiles of 1024 elements, 8 per thread: at a decode step's sizes, as many programs as SMs or more.
+PARTIALS_TILE_M, PARTIALS_TILE_N, PARTIALS_BLOCK = 16, 64, 1024
+GELU_PARTIALS_TILE_M, GELU_PARTIALS_TILE_N = 16, 64
+
+
+@triton.jit
+def _partials_cast_kernel(x_ptr, out_ptr, scale_inv_ptr, partials_ptr, n_partials, M, N, fp8_max, amax_epsilon,
+                          FP8: tl.constexpr, POW2: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA: tl.constexpr,
+                          BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr):
+    """x (M, N) contiguous -> out (M, N) FP8, its scale from the max of partials (n_partials,)
+    fp32 >= 0 (maxes of |x| over chunks of x, NaN skipped): the same amax as one pass over x."""
+    # fp32, as the eager launch passes Python floats (a compiled graph passes them as fp64).
+    fp8_max, amax_epsilon = tl.cast(fp8_max, tl.float32), tl.cast(amax_epsilon, tl.float32)
+    # The tile's load first: it does not wait for the partial maxes.
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_P):
+        offs = start + tl.arange(0, BLOCK_P)
+        acc = tl.maximum(acc, tl.load(partials_ptr + offs, mask=offs < n_partials, other=0.0))
+    scale = _scale_from_amax(tl.max(acc, axis=0), fp8_max, amax_epsilon, POW2)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if (pid_m == 0) & (pid_n == 0):
+        tl.store(scale_inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))  # torch.reciprocal
+    q = _fp8_bits(x, scale, fp8_max, FP8, SOFT_ROUND, MANTISSA, BIAS)
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], q.to(out_ptr.dtype.element_ty, bitcast=True), mask=mask)
+
+
+@torch.library.triton_op("te_func::cast_from_partials", mutates_args=())
+def cast_from_partials(x2d: torch.Tensor, partials: torch.Tensor, dtype: torch.dtype, fp8_max: float,
+                       amax_epsilon: float, power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current scaling's tensor-wise cast of a contiguous (M, N) x whose amax is the max of
+    `partials` (P,) fp32: (data (M, N) `dtype`, scale_inv (1,) fp32). A Triton op: inductor and
+    AOTInductor compile the kernel into the graph that calls it."""
+    m, n = x2d.shape
+    data = torch.empty((m, n), dtype=dtype, device=x2d.device)
+    # (1,), not (): inductor copied a 0-d output of the kernel into a new buffer, one launch more.
+    scale_inv = torch.empty((1,), dtype=torch.float32, device=x2d.device)
+    fp8, mantissa, bias = _FP8[dtype]
+    grid = (triton.cdiv(m, PARTIALS_TILE_M), triton.cdiv(n, PARTIALS_TILE_N))
+    torch.library.wrap_triton(_partials_cast_kernel)[grid](
+        x2d, data, scale_inv, partials, partials.numel(), m, n, fp8_max, amax_epsilon, FP8=fp8, POW2=power_2_scale,
+        SOFT_ROUND=SOFT_ROUND, MANTISSA=mantissa, BIAS=bias, BLOCK_M=PARTIALS_TILE_M, BLOCK_N=PARTIALS_TILE_N,
+        BLOCK_P=PARTIALS_BLOCK, num_warps=4)
+    return data, scale_inv
+
+
+@cast_from_partials.register_vmap
+def _(info, in_dims, x2d, partials, dtype, fp8_max, amax_epsilon, power_2_scale):
+    # Current scaling under vmap takes one amax per sample (te_func.kernels.dispatch).
+    def sample(t, dim, i):
+        return t if dim is None else t.select(dim, i)
+    outs = [cast_from_partials(sample(x2d, in_dims[0], i), sample(partials, in_dims[1], i), dtype, fp8_max,
+                               amax_epsilon, power_2_scale) for i in range(info.batch_size)]
+    return tuple(torch.stack(parts) for parts in zip(*outs)), (0, 0)
+
+
+@torch.library.triton_op("te_func::gelu_partials", mutates_args=())
+def gelu_partials(x2d: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`activation`'s GELU of a contiguous (M, N) x (plus `bias`), for a compiled graph: (v (M, N) in
+    x's dtype, the bits of `activation`'s; the max |v| of each of its tiles (P,) fp32, NaN skipped,
+    what `cast_from_partials` reads)."""
+    m, n = x2d.shape
+    v = torch.empty_like(x2d)
+    grid = (triton.cdiv(m, GELU_PARTIALS_TILE_M), triton.cdiv(n, GELU_PARTIALS_TILE_N))
+    partials = torch.empty((grid[0] * grid[1],), dtype=torch.float32, device=x2d.device)
+    # The unused pointers (y, the column sums; the bias without one) get x, which the kernel only reads: a
+    # compiled graph must not see the written `partials` passed twice, as two tensors it could copy apart.
+    torch.library.wrap_triton(_activation_kernel)[grid](
+        x2d, x2d, x2d if bias is None else bias, v, partials, x2d, m, n, ACT=ACT_GELU.value,
+        HAS_BIAS=bias is not None, COLSUM=False, BLOCK_M=GELU_PARTIALS_TILE_M, BLOCK_N=GELU_PARTIALS_TILE_N,
+        PARTIALS=True, num_warps=4, enable_fp_fusion=False)
+    return v, partials
+
+
+@gelu_partials.register_vmap
+def _(info, in_dims, x2d, bias):
+    def sample(t, dim, i):
+        return t if t is None or dim is None else t.select(dim, i)
+    outs = [gelu_partials(sample(x2d, in_dims[0], i), sample(bias, in_dims[1], i)) for i in range(info.batch_size)]
+    return tuple(torch.stack(parts) for parts in zip(*outs)), (0, 0)

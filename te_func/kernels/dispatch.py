@@ -13,6 +13,11 @@ inductor).
 read once and widened in registers. Unlike the rest it also runs under torch.compile,
 from inside the te_func::weight_only_mm op that the compiled graph calls.
 
+`partial_rows`, `gelu_partials` and `cast_from_partials` also run under torch.compile, as ops of
+the graph: current scaling's cast of a small tensor (a decode step's), its amax from the
+partial maxes that the pass making the tensor takes (inductor's own pass, or the GELU kernel's),
+in one kernel.
+
 `delayed_update` and `delayed_record` do DelayedScaling's per-role bookkeeping (the
 new scale and the rolled history; a cast's amax into the current slot) in one launch
 each, with the torch code's bits.
@@ -32,8 +37,9 @@ import os
 import torch
 from torch._C import _functorch
 
-__all__ = ["activation", "cast_kernels_available", "delayed_record", "delayed_update", "norm_backward",
-           "norm_forward", "set_cast_kernels", "tensorwise_cast", "weight_only_mm"]
+__all__ = ["activation", "cast_from_partials", "cast_kernels_available", "delayed_record", "delayed_update",
+           "gelu_partials", "norm_backward", "norm_forward", "partial_rows", "set_cast_kernels", "tensorwise_cast",
+           "weight_only_mm"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_NUMEL = 2**31 - 2**24     # int32 indexing in the kernels
@@ -168,6 +174,74 @@ def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_ep
                                                      power_2_scale, scale_plain, with_transpose, amax=bits)
         calls["fused"] += 1
         return data.reshape(x.shape), data_t, scale_inv, bits.view(torch.float32).reshape(())
+
+
+# The compiled cast's partial maxes: each over a chunk of a row of at most PARTIAL_ROW elements
+# (a norm's row at the usual widths, which inductor then takes in the norm's own pass; a wider
+# row in the fewest equal chunks), at most MAX_PARTIALS of them, which every program of the
+# cast reads: past that, inductor's own amax chain, whose launches no longer set the pace.
+PARTIAL_ROW, MIN_PARTIAL_ROW, MAX_PARTIALS = 4096, 256, 1024
+
+
+@torch.compiler.assume_constant_result
+def _compiled_casts_ready() -> bool:
+    # A constant of the traced graph: whether te_func.kernels.cast (and its op) imports here.
+    return _cast_module() is not None
+
+
+@torch.compiler.assume_constant_result
+def _gelu_tile() -> tuple[int, int]:
+    return _cast_module().GELU_PARTIALS_TILE_M, _cast_module().GELU_PARTIALS_TILE_N
+
+
+def _compiled_op_applies(x: torch.Tensor) -> bool:
+    """Under torch.compile, x on an FP8-capable CUDA device where te_func's ops import. Under
+    torch.export only for a static shape: a size test on a dynamic dim would narrow the range
+    the exported program accepts."""
+    if not (_enabled and torch.compiler.is_compiling() and x.is_cuda and x.dtype in _INPUT_DTYPES):
+        return False
+    if torch.compiler.is_exporting() and not all(isinstance(d, int) for d in x.shape):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) >= (8, 9) and _compiled_casts_ready()
+
+
+def partial_rows(x: torch.Tensor) -> int | None:
+    """Under torch.compile: the length of the row chunks whose maxes `cast_from_partials` reads for
+    current scaling's cast of x, or None where it does not apply (eagerly `tensorwise_cast` does,
+    on CPU the torch path, for a large x inductor's own amax). Decided by x's shape, statically:
+    under a dynamic token count, a guard on it."""
+    # The device first: a CPU tensor never guards on its shape.
+    if not _compiled_op_applies(x) or x.dim() < 1:
+        return None
+    width = x.shape[-1]
+    pieces = next((k for k in range(1, width // MIN_PARTIAL_ROW + 1) if width % k == 0 and width // k <= PARTIAL_ROW),
+                  1)
+    row = width // pieces
+    return row if 0 < x.numel() and x.numel() // row <= MAX_PARTIALS else None
+
+
+def cast_from_partials(x2d: torch.Tensor, partials: torch.Tensor, dtype: torch.dtype, fp8_max: float,
+                       amax_epsilon: float, power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current scaling's cast of a contiguous (M, N) x whose amax is partials.max() (partial maxes
+    as `partial_rows` or `gelu_partials` make them): (data, scale_inv ()), the torch path's bits,
+    by the op te_func::cast_from_partials."""
+    data, scale_inv = torch.ops.te_func.cast_from_partials(x2d, partials, dtype, fp8_max, amax_epsilon,
+                                                           power_2_scale)
+    return data, scale_inv.reshape(())
+
+
+def gelu_partials(x: torch.Tensor, bias: torch.Tensor | None):
+    """Under torch.compile: `activation`'s GELU of a small 2-D x (plus bias) by the op
+    te_func::gelu_partials, (v, the max |v| of each of its tiles (P,) fp32) for
+    `cast_from_partials`; None where it does not apply (eagerly `activation` does)."""
+    if not _compiled_op_applies(x) or x.dim() != 2 or (bias is not None and (
+            bias.shape != x.shape[-1:] or bias.dtype != x.dtype)):
+        return None
+    (m, n), (tile_m, tile_n) = x.shape, _gelu_tile()
+    if not 0 < -(-m // tile_m) * -(-n // tile_n) <= MAX_PARTIALS:      # one partial max per tile
+        return None
+    return torch.ops.te_func.gelu_partials(x.contiguous(), bias)
 
 
 def activation(x: torch.Tensor, act: str, y: torch.Tensor | None = None, column_sums: bool = False,

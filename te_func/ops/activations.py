@@ -264,14 +264,20 @@ def activation_backward(act: Activation, dy: torch.Tensor, x: torch.Tensor) -> t
 _KERNELS = {"gelu": ("gelu", "gelu_backward")}
 
 
-def activation_with_amax(act: Activation, x: torch.Tensor, bias: torch.Tensor | None = None):
+def activation_with_amax(act: Activation, x: torch.Tensor, bias: torch.Tensor | None = None,
+                         partials: bool = False):
     """`activation_forward(act, x + bias)` -> (out, max |out| () fp32 where a kernel made it (else
     None), and what `activation_grad_with_sums` reads back as (x, bias): the input and the bias
     still to add to it, where the kernel added it on the way (fc1's bias: no pass of its own), or
-    x + bias and None)."""
+    x + bias and None).
+    partials: out feeds a current-scaling cast of its own (GemmSlot.input_cast_takes_partials):
+    under torch.compile a small out then comes with the maxes (P,) of its tiles instead
+    (te_func.kernels.gelu_partials), which that cast reduces itself."""
     bias = None if bias is None else bias.to(x.dtype)
     if act.name in _KERNELS:
         fused = kernels.activation(x, _KERNELS[act.name][0], bias=bias)
+        if fused is None and partials and act.name == "gelu":
+            fused = kernels.gelu_partials(x, bias)
         if fused is not None:
             return *fused[:2], x, bias
     if bias is not None:

@@ -181,6 +181,13 @@ class GemmSlot:
         return self.prefix + name
 
     @property
+    def input_cast_takes_partials(self) -> bool:
+        """The input's cast is current scaling's tensor-wise cast alone (no transposed copy, not
+        weight-only): it can take its producer's partial maxes (te_func.quant.quantize_scheme)."""
+        s = self.cfg.input
+        return s.rule == "current" and s.block is None and not self.cfg.save_input and not self.cfg.weight_only
+
+    @property
     def outputs(self) -> tuple[str, ...]:
         return tuple(map(self._n, ("new_x_record", "new_g_record", "x_saved", "x_saved_scale_inv",
                                    "x_saved_amax")))

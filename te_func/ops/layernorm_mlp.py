@@ -54,7 +54,8 @@ class LayerNormMLPFP8:
         x = t["x"]
         ln_out, mean, rsigma, ln_amax = norm_output(x, t["ln_weight"], t["ln_bias"], self.norm)  # (tokens, hidden)
         fc1_out, fc1_state = self.fc1.forward(t, ln_out, None, ln_amax)  # (tokens, fc1 width), bias: next line
-        act_out, act_amax, fc1_out, pending = activation_with_amax(self.activation, fc1_out, t["fc1_bias"])
+        act_out, act_amax, fc1_out, pending = activation_with_amax(self.activation, fc1_out, t["fc1_bias"],
+                                                                   self.fc2.input_cast_takes_partials)
         out, fc2_state = self.fc2.forward(t, act_out, t["fc2_bias"], act_amax)  # (tokens, hidden)
         if pending is not None:
             pending = pending.view_as(pending)      # a view: a Function may not save an input it returns as is

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
-from ..kernels import delayed_record, tensorwise_cast
+from ..kernels import cast_from_partials, delayed_record, partial_rows, tensorwise_cast
 from . import nvfp4
 from .scheme import Scheme, e8m0_scale_inv, e8m0_to_float, scale_from_amax, scheme_for
 
@@ -147,7 +147,8 @@ def _blocked(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 def _amax(x: torch.Tensor, known: torch.Tensor | None) -> torch.Tensor:
-    return amax_of(x) if known is None else known
+    # known: x's amax (), or the partial maxes (P,) of its pieces (a compiled producer's)
+    return amax_of(x) if known is None else known.amax() if known.dim() == 1 else known
 
 
 def _may_be_nonzero(n) -> bool:
@@ -202,6 +203,25 @@ def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | No
     return Quantized(data, scale_inv), q_t, record_amax(state, amax) if s.rule == "delayed" else None
 
 
+def _compiled_cast(x: torch.Tensor, s: Scheme, amax: torch.Tensor | None) -> Quantized | None:
+    """Current scaling's cast of a small x under torch.compile on CUDA, or None: partial maxes of
+    x's pieces, then one kernel that reduces them and casts (te_func.kernels.cast_from_partials).
+    The partial maxes are `amax` where x's producer took them (te_func.kernels.gelu_partials),
+    else those of x's row chunks (te_func.kernels.partial_rows), which inductor takes in the
+    pass that makes x. The same bits as `cast_with_scale` with the scale of `amax_of(x)` (a max
+    is exact in any order)."""
+    if amax is not None and amax.dim() == 1:
+        partials = amax
+    else:
+        row = None if amax is not None else partial_rows(x)
+        if row is None or batched_by_vmap(x):
+            return None
+        partials = abs_skipping_nan(x).reshape(-1, row).amax(1)
+    data, scale_inv = cast_from_partials(x.reshape(-1, x.shape[-1]).contiguous(), partials, s.dtype, s.fp8_max,
+                                         s.amax_epsilon, s.power_2_scale)
+    return Quantized(data.reshape(x.shape), scale_inv)
+
+
 def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> Quantized:
     """The tensor-wise cast of `x` with a given scale () fp32: what `quantize_scheme` does once it
     has the scale (an FP8 all-gather casts a shard with the scale of the whole tensor)."""
@@ -249,7 +269,8 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state=None, amax: torch.Tensor |
     rounding: the RNG state, int64 (seed, counter) (new_state: the next one,
     te_func.quant.nvfp4.advance_rng); else None.
     amax: max |x| () fp32, NaN skipped, where x's producer took it on the way
-    (te_func.kernels.activation): a tensor-wise scheme uses it instead of a pass over x;
+    (te_func.kernels.activation), or under torch.compile the maxes (P,) of x's pieces
+    (te_func.kernels.gelu_partials): a tensor-wise scheme uses it instead of a pass over x;
     block schemes take theirs per block.
     """
     if s.nvfp4:
@@ -272,6 +293,9 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state=None, amax: torch.Tensor |
                      else state.scale)
             new_state = state.with_record(batch_amax)
         else:
+            compiled = _compiled_cast(x, s, amax)
+            if compiled is not None:
+                return compiled, None
             scale, new_state = scale_from_amax(_amax(x, amax), s.fp8_max, s.amax_epsilon, s.power_2_scale), None
         return cast_with_scale(x, scale, s), new_state
 
