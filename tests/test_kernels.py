@@ -238,6 +238,18 @@ def _calls_partials_op(gm) -> bool:
     return _op_calls(gm, torch.ops.te_func.cast_from_partials) > 0
 
 
+@pytest.mark.parametrize("shape,row", [((16, 4096), 4096), ((1, 14336), 3584), ((64, 14336), 3584),
+                                       ((2, 8, 4096), 4096), ((3, 5000), 2500), ((3, 4099), 4099), ((5, 40000), 4000),
+                                       ((65, 4096), None), ((4096, 4096), None), ((0, 4096), None),
+                                       ((3, 300000), None)], ids=str)
+def test_which_compiled_casts_take_partial_maxes_and_of_which_rows(monkeypatch, shape, row):
+    """The rule, on its own (no GPU): at most COMPILED_CAST_ROWS rows; each row in the fewest equal
+    pieces of at most PARTIAL_ROW elements (a width with none: whole rows); at most MAX_PARTIALS
+    partial maxes at COMPILED_CAST_ROWS rows, so a very wide row keeps inductor's chain."""
+    monkeypatch.setattr(dispatch, "_compiled_op_applies", lambda x: True)
+    assert dispatch.partial_rows(torch.empty(shape)) == row
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("scheme", CURRENT, ids=str)
 def test_a_compiled_small_cast_is_two_passes_with_the_torch_paths_bits(device, kernels_on, scheme):

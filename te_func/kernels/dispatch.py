@@ -176,10 +176,14 @@ def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_ep
         return data.reshape(x.shape), data_t, scale_inv, bits.view(torch.float32).reshape(())
 
 
-# The compiled cast's partial maxes: each over a chunk of a row of at most PARTIAL_ROW elements
-# (a norm's row at the usual widths, which inductor then takes in the norm's own pass; a wider
-# row in the fewest equal chunks), at most MAX_PARTIALS of them, which every program of the
-# cast reads: past that, inductor's own amax chain, whose launches no longer set the pace.
+# The compiled casts take the two-launch path for tensors of at most COMPILED_CAST_ROWS rows (the
+# product of the leading dims: a decode step's tokens); past that, inductor's own amax chain,
+# whose launches no longer set the pace. One threshold for every tensor of a call, so that a
+# dynamic token count splits into two graphs at most. The partial maxes are each over a chunk of
+# a row of at most PARTIAL_ROW elements (a norm's row at the usual widths, which inductor then
+# takes in the norm's own pass; a wider row in the fewest equal chunks), at most MAX_PARTIALS of
+# them, which every program of the cast reads: a width that would need more keeps inductor's chain.
+COMPILED_CAST_ROWS = 64
 PARTIAL_ROW, MIN_PARTIAL_ROW, MAX_PARTIALS = 4096, 256, 1024
 
 
@@ -206,19 +210,25 @@ def _compiled_op_applies(x: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9) and _compiled_casts_ready()
 
 
+def _few_rows(x: torch.Tensor) -> bool:
+    # Under a dynamic token count the guard of both graphs' split (the one size test that is not static).
+    return x.shape[-1] > 0 and 0 < x.numel() // x.shape[-1] <= COMPILED_CAST_ROWS
+
+
 def partial_rows(x: torch.Tensor) -> int | None:
     """Under torch.compile: the length of the row chunks whose maxes `cast_from_partials` reads for
     current scaling's cast of x, or None where it does not apply (eagerly `tensorwise_cast` does,
-    on CPU the torch path, for a large x inductor's own amax). Decided by x's shape, statically:
-    under a dynamic token count, a guard on it."""
+    on CPU the torch path, for more than COMPILED_CAST_ROWS rows inductor's own amax). Decided by
+    x's shape: the width statically, the rows by a guard under a dynamic token count."""
     # The device first: a CPU tensor never guards on its shape.
-    if not _compiled_op_applies(x) or x.dim() < 1:
-        return None
+    if not _compiled_op_applies(x) or x.dim() < 1 or not isinstance(x.shape[-1], int) or x.shape[-1] == 0:
+        return None     # (a dynamic width, rare, keeps inductor's chain rather than guard on it)
     width = x.shape[-1]
     pieces = next((k for k in range(1, width // MIN_PARTIAL_ROW + 1) if width % k == 0 and width // k <= PARTIAL_ROW),
                   1)
-    row = width // pieces
-    return row if 0 < x.numel() and x.numel() // row <= MAX_PARTIALS else None
+    if COMPILED_CAST_ROWS * pieces > MAX_PARTIALS or not _few_rows(x):
+        return None
+    return width // pieces
 
 
 def cast_from_partials(x2d: torch.Tensor, partials: torch.Tensor, dtype: torch.dtype, fp8_max: float,
@@ -238,8 +248,9 @@ def gelu_partials(x: torch.Tensor, bias: torch.Tensor | None):
     if not _compiled_op_applies(x) or x.dim() != 2 or (bias is not None and (
             bias.shape != x.shape[-1:] or bias.dtype != x.dtype)):
         return None
-    (m, n), (tile_m, tile_n) = x.shape, _gelu_tile()
-    if not 0 < -(-m // tile_m) * -(-n // tile_n) <= MAX_PARTIALS:      # one partial max per tile
+    (tile_m, tile_n), n = _gelu_tile(), x.shape[-1]
+    # one partial max per tile: at most MAX_PARTIALS for COMPILED_CAST_ROWS rows of this width
+    if not isinstance(n, int) or -(-COMPILED_CAST_ROWS // tile_m) * -(-n // tile_n) > MAX_PARTIALS or not _few_rows(x):
         return None
     return torch.ops.te_func.gelu_partials(x.contiguous(), bias)
 
