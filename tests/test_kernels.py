@@ -272,6 +272,23 @@ def test_a_compiled_small_cast_is_two_passes_with_the_torch_paths_bits(device, k
 
 
 @pytest.mark.cuda
+def test_a_compiled_gelu_then_cast_scales_by_the_gelus_own_amax(device, kernels_on):
+    """gelu_partials -> cast_from_partials compiled by inductor: the cast's scale is that of the
+    amax of the v the graph returns, and its data that cast of v, bit for bit (a cast reading
+    partial maxes other than the ones the GELU wrote would not be)."""
+    s = SCHEMES["current-e4m3"]
+    x, b = random_input((16, 14336), torch.bfloat16, device), torch.randn(14336, device=device).bfloat16()
+
+    def step(x, b):
+        v, partials = torch.ops.te_func.gelu_partials(x, b)
+        return v, *kernels.cast_from_partials(v, partials, s.dtype, s.fp8_max, s.amax_epsilon, s.power_2_scale)
+    assert dispatch._cast_module() is not None
+    torch._dynamo.reset()
+    v, data, scale_inv = torch.compile(step, fullgraph=True)(x, b)
+    assert_same_bits(Quantized(data, scale_inv), _torch_cast(v, s))
+
+
+@pytest.mark.cuda
 def test_the_partials_ops_under_vmap_take_one_amax_per_sample(device, kernels_on):
     s, x = SCHEMES["current-e4m3"], random_input((3, 20, 48), torch.bfloat16, device)
     x[1] *= 100

@@ -296,7 +296,6 @@ def _partials_cast_kernel(x_ptr, out_ptr, scale_inv_ptr, partials_ptr, n_partial
         offs = start + tl.arange(0, BLOCK_P)
         acc = tl.maximum(acc, tl.load(partials_ptr + offs, mask=offs < n_partials, other=0.0))
     scale = _scale_from_amax(tl.max(acc, axis=0), fp8_max, amax_epsilon, POW2)
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if (pid_m == 0) & (pid_n == 0):
         tl.store(scale_inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))  # torch.reciprocal
     q = _fp8_bits(x, scale, fp8_max, FP8, SOFT_ROUND, MANTISSA, BIAS)
@@ -322,21 +321,23 @@ def cast_from_partials(x2d: torch.Tensor, partials: torch.Tensor, dtype: torch.d
     return data, scale_inv
 
 
-@cast_from_partials.register_vmap
-def _(info, in_dims, x2d, partials, dtype, fp8_max, amax_epsilon, power_2_scale):
-    # Current scaling under vmap takes one amax per sample (te_func.kernels.dispatch).
-    def sample(t, dim, i):
-        return t if dim is None else t.select(dim, i)
-    outs = [cast_from_partials(sample(x2d, in_dims[0], i), sample(partials, in_dims[1], i), dtype, fp8_max,
-                               amax_epsilon, power_2_scale) for i in range(info.batch_size)]
+def _per_sample(op, info, in_dims, *args):
+    """A vmap rule for the ops below: the op on each sample, its outputs stacked (current scaling
+    under vmap takes one amax per sample, as the torch path does)."""
+    outs = [op(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims))) for i in range(info.batch_size)]
     return tuple(torch.stack(parts) for parts in zip(*outs)), (0, 0)
+
+
+cast_from_partials.register_vmap(lambda info, in_dims, *args: _per_sample(cast_from_partials, info, in_dims, *args))
 
 
 @torch.library.triton_op("te_func::gelu_partials", mutates_args=())
 def gelu_partials(x2d: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`activation`'s GELU of a contiguous (M, N) x (plus `bias`), for a compiled graph: (v (M, N) in
-    x's dtype, the bits of `activation`'s; the max |v| of each of its tiles (P,) fp32, NaN skipped,
-    what `cast_from_partials` reads)."""
+    x's dtype; the max |v| of each of its tiles (P,) fp32, NaN skipped, what `cast_from_partials`
+    reads). Called eagerly, v has the bits of `activation`'s; in a graph inductor compiles, the
+    kernel is built with inductor's options, which contract multiply-adds as inductor's own
+    GELU does (it passes no `enable_fp_fusion` to a user kernel), so v agrees to fp32 rounding."""
     m, n = x2d.shape
     v = torch.empty_like(x2d)
     grid = (triton.cdiv(m, GELU_PARTIALS_TILE_M), triton.cdiv(n, GELU_PARTIALS_TILE_N))
@@ -346,13 +347,8 @@ def gelu_partials(x2d: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.T
     torch.library.wrap_triton(_activation_kernel)[grid](
         x2d, x2d, x2d if bias is None else bias, v, partials, x2d, m, n, ACT=ACT_GELU.value,
         HAS_BIAS=bias is not None, COLSUM=False, BLOCK_M=GELU_PARTIALS_TILE_M, BLOCK_N=GELU_PARTIALS_TILE_N,
-        PARTIALS=True, num_warps=4, enable_fp_fusion=False)
+        PARTIALS=True, num_warps=4, enable_fp_fusion=False)      # (honored eagerly)
     return v, partials
 
 
-@gelu_partials.register_vmap
-def _(info, in_dims, x2d, bias):
-    def sample(t, dim, i):
-        return t if t is None or dim is None else t.select(dim, i)
-    outs = [gelu_partials(sample(x2d, in_dims[0], i), sample(bias, in_dims[1], i)) for i in range(info.batch_size)]
-    return tuple(torch.stack(parts) for parts in zip(*outs)), (0, 0)
+gelu_partials.register_vmap(lambda info, in_dims, *args: _per_sample(gelu_partials, info, in_dims, *args))
