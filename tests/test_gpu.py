@@ -377,6 +377,32 @@ def test_a_compiled_frozen_decode_step_casts_its_inputs_in_two_passes(cuda, toke
     assert sqnr(want.double(), got.double()) > 20
 
 
+def test_a_frozen_hf_llama_decodes_compiled_with_the_two_pass_casts(cuda):
+    """The converted HF Llama, frozen under current scaling and compiled: a decode-sized call casts
+    its GEMM inputs through te_func::cast_from_partials (the RMSNorms' and projections' inputs;
+    SwiGLU is no GELU), and its logits follow the eager frozen model to FP8 noise."""
+    from cases import tiny_llama
+    pytest.importorskip("transformers")
+    recipe = Float8CurrentScaling()
+    model = tef.convert(tiny_llama(dtype=torch.bfloat16, layers=2)).eval().to(cuda)
+    frozen = tef.freeze(model, recipe)
+    ids = torch.randint(0, 128, (1, 5), device=cuda)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    with torch.no_grad():
+        want = frozen(ids).logits
+        torch._dynamo.reset()
+        torch.compile(frozen, fullgraph=True, backend=recording)(ids)
+        op = torch.ops.te_func.cast_from_partials
+        assert sum(n.target in (op, op.default) for n in graphs[-1].graph.nodes) > 0
+        torch._dynamo.reset()
+        got = torch.compile(frozen, fullgraph=True)(ids).logits
+    assert sqnr(want.double(), got.double()) > 20
+
+
 def test_a_frozen_model_exports_on_cuda_with_a_dynamic_batch_and_a_static_one(cuda):
     """torch.export on the GPU: a dynamic token dim keeps inductor's own casts (a size test of the
     decode-sized casts would narrow the dim's range); a static decode shape calls te_func's ops.
@@ -389,6 +415,7 @@ def test_a_frozen_model_exports_on_cuda_with_a_dynamic_batch_and_a_static_one(cu
         targets = {str(n.target) for n in static.graph.nodes}
         # the op itself, or its Triton kernel where export traced into it
         assert any("cast_from_partials" in t or "triton_kernel_wrapper" in t for t in targets), targets
+        assert not any("te_func" in str(n.target) for n in dynamic.graph.nodes)
         for n in (3, 16, 300):
             y = torch.randn(n, 256, device=cuda, dtype=torch.bfloat16)
             assert sqnr(frozen(y).double(), dynamic.module()(y).double()) > 20
