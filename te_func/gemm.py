@@ -6,8 +6,6 @@ take the same form and the caller only picks which casts to pair.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import kernels
@@ -17,26 +15,9 @@ from .quant.tensor import batched_by_vmap, nvfp4_block_values
 __all__ = ["gemm", "weight_only_gemm", "native_fp8_gemm_available"]
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _device_capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if torch.compiler.is_compiling():
-        # Traced, the query is a constant of the graph; through the cache dynamo would trace
-        # the cached function anyway, and warn that it skips an lru_cache.
-        return torch.cuda.get_device_capability(index)
-    return _capability(index)
-
-
 def native_fp8_gemm_available(device: torch.device) -> bool:
     """True on CUDA GPUs with FP8 tensor cores (Ada, Hopper and newer)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return _device_capability(device) >= (8, 9)
+    return kernels.fp8_capable(device)
 
 
 def _plain_2d(a: Quantized, b: Quantized) -> bool:
@@ -103,7 +84,7 @@ def _(info, in_dims, a, b, scale_a, scale_b, out_dtype, fast_accum):
 def _use_blockwise_scaled_mm(a: Quantized, b: Quantized) -> bool:
     """Float8BlockScaling's pairs, which cuBLAS (CUDA 12.9+, Hopper) runs natively:
     1x128 x 128x128 (forward, input gradient) and 1x128 x 1x128 (weight gradient)."""
-    if a.data.device.type != "cuda" or _device_capability(a.data.device) != (9, 0):   # Hopper
+    if a.data.device.type != "cuda" or kernels.device_capability(a.data.device) != (9, 0):   # Hopper
         return False
     if a.block != (1, 128) or b.block not in ((1, 128), (128, 128)):
         return False

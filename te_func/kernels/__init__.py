@@ -13,12 +13,12 @@ its fp32 sums.
 import torch
 
 from .dispatch import (activation, cast_from_partials, cast_kernels_available, delayed_record, delayed_update,
-                       gelu_partials, norm_backward, norm_forward, partial_rows, set_cast_kernels, tensorwise_cast,
-                       weight_only_mm)
+                       device_capability, fp8_capable, gelu_partials, norm_backward, norm_forward, partial_rows,
+                       set_cast_kernels, tensorwise_cast, weight_only_mm)
 
 __all__ = ["activation", "cast_from_partials", "cast_kernels_available", "delayed_record", "delayed_update",
-           "gelu_partials", "norm_backward", "norm_forward", "partial_rows", "set_cast_kernels", "tensorwise_cast",
-           "weight_only_mm"]
+           "device_capability", "fp8_capable", "gelu_partials", "norm_backward", "norm_forward", "partial_rows",
+           "set_cast_kernels", "tensorwise_cast", "weight_only_mm"]
 
 # Where the kernels can run, their ops (te_func::cast_from_partials, te_func::gelu_partials) exist from
 # `import te_func` on: a program exported with them runs in a process that has imported te_func.

@@ -38,8 +38,8 @@ import torch
 from torch._C import _functorch
 
 __all__ = ["activation", "cast_from_partials", "cast_kernels_available", "delayed_record", "delayed_update",
-           "gelu_partials", "norm_backward", "norm_forward", "partial_rows", "set_cast_kernels", "tensorwise_cast",
-           "weight_only_mm"]
+           "device_capability", "fp8_capable", "gelu_partials", "norm_backward", "norm_forward", "partial_rows",
+           "set_cast_kernels", "tensorwise_cast", "weight_only_mm"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_NUMEL = 2**31 - 2**24     # int32 indexing in the kernels
@@ -119,9 +119,24 @@ def _plain(t: torch.Tensor) -> torch.Tensor | None:
 
 
 @functools.cache
-def _has_fp8_conversions(index: int) -> bool:
-    # The kernels' FP8 conversion instructions exist from Ada/Hopper (sm_89) on.
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability: cached eagerly; traced, a constant of the graph
+    (dynamo would trace through the cache anyway, and warn that it skips it)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.compiler.is_compiling():
+        return torch.cuda.get_device_capability(index)
+    return _capability(index)
+
+
+def fp8_capable(device: torch.device | str) -> bool:
+    """A CUDA device with FP8 conversions and FP8 tensor cores: Ada / Hopper (sm_89) and newer.
+    The one test of it, for the kernels and for te_func.gemm's `torch._scaled_mm`."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_available() and device_capability(device) >= (8, 9)
 
 
 def _applies(x: torch.Tensor) -> bool:
@@ -136,8 +151,7 @@ def _on_kernel_device(x: torch.Tensor) -> bool:
     device with data (not meta: a model built there has no values to read)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return x.device.type != "meta"
-    return x.is_cuda and _has_fp8_conversions(x.device.index if x.device.index is not None
-                                              else torch.cuda.current_device())
+    return fp8_capable(x.device)
 
 
 def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_epsilon: float,
@@ -206,8 +220,7 @@ def _compiled_op_applies(x: torch.Tensor) -> bool:
         return False
     if torch.compiler.is_exporting() and not all(isinstance(d, int) for d in x.shape):
         return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index) >= (8, 9) and _compiled_casts_ready()
+    return fp8_capable(x.device) and _compiled_casts_ready()
 
 
 def _few_rows(x: torch.Tensor) -> bool:
