@@ -22,8 +22,9 @@ import torch
 import torch._dynamo.testing
 
 import te_func as tef
-from cases import (HF_MODELS, LAYERS, RECIPES, assert_dicts_equal, assert_grads_match, bits, detached_params, is_fp4,
-                   needs_state, sqnr)
+from cases import (HF_MODELS, LAYERS, RECIPES, ROW_BATCH_INVARIANT_MATMUL, assert_dicts_equal,
+                   assert_dicts_match_to_rounding, assert_grads_match, bits, detached_params, is_fp4, needs_state,
+                   sqnr)
 from te_func.quant import dequantize
 from te_func.quant.workspace import RECIPE_KEY
 from te_func.recipe import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling
@@ -322,14 +323,17 @@ def summation_order_bounds(s: Setup, params: dict, batch: dict) -> dict:
 def test_per_sample_grad_is_vmap_of_grad_with_workspaces_folded(case, recipe):
     """scope="sample" computes what torch.func.vmap(tef.grad) computes, bit for bit, also in
     chunks (the last one short); its workspaces come back once, in their own
-    shapes: the vmap's, folded."""
+    shapes: the vmap's, folded. Bit for bit where the CPU's matmul gives rows the same bits
+    in a batch of any size (a chunk's emulated GEMMs have fewer rows than the whole batch's),
+    else to fp32 rounding."""
     s = make_setup(case, recipe, batch=per_sample_shape(case, recipe)["batch"])
     params, ws = detached_params(s.model), tef.init_workspaces(s.model, recipe)
     raw, raw_ws = torch.func.vmap(tef.grad(s.sample_loss_fn), in_dims=(None, None, *s.in_dims))(
         params, ws, s.inputs, s.target)
     grads, new_ws = s.per_sample_grad(chunk_size=len(s.target) - 1)(params, ws, s.inputs, s.target)
-    assert_dicts_equal(grads, raw)
-    assert_dicts_equal(new_ws, tef.fold_workspaces(s.model, raw_ws, recipe))
+    same = assert_dicts_equal if ROW_BATCH_INVARIANT_MATMUL else assert_dicts_match_to_rounding
+    same(grads, raw)
+    same(new_ws, tef.fold_workspaces(s.model, raw_ws, recipe))
     assert all(new_ws[k].shape == ws[k].shape for k in ws)
 
 
