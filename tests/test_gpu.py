@@ -416,7 +416,8 @@ def test_a_frozen_model_exports_on_cuda_with_a_dynamic_batch_and_a_static_one(cu
         # the op itself, or its Triton kernel where export traced into it
         assert any("cast_from_partials" in t or "triton_kernel_wrapper" in t for t in targets), targets
         # te_func::scaled_mm is in both graphs; only the decode-sized casts' ops must be absent
-        assert not any("partials" in str(n.target) or "triton_kernel_wrapper" in str(n.target) for n in dynamic.graph.nodes)
+        assert not any("partials" in str(n.target) or "triton_kernel_wrapper" in str(n.target)
+                       for n in dynamic.graph.nodes)
         for n in (3, 16, 300):
             y = torch.randn(n, 256, device=cuda, dtype=torch.bfloat16)
             assert sqnr(frozen(y).double(), dynamic.module()(y).double()) > 20
