@@ -8,10 +8,11 @@ baseline and timed with triton.testing.do_bench (median) in this one process. Mo
 "default"; "reduce-overhead" (inductor's CUDA graph trees: each call still runs dynamo's
 guards and the trees' bookkeeping in Python); "graph" (the default-mode compiled call
 captured once into a torch.cuda.CUDAGraph and replayed, as a serving loop captures its
-decode step: no Python per call, so the figure is the GPU's time). Variants: frozen Float8CurrentScaling
-and DelayedScaling, FP8 x FP8, and the same with weight-only FP8 for calls of at most 64
-tokens. Prints each time and its ratio to bf16 (speed-up: > 1 is faster) and the resident
-bytes of each model; writes everything as JSON to --out.
+decode step: no Python per call, so the figure is the GPU's time). Variants: frozen
+Float8CurrentScaling and DelayedScaling, FP8 x FP8, and the same with weight-only FP8 for
+calls of at most 64 tokens. Prints each time and its ratio to bf16 (speed-up: > 1 is faster)
+and the resident bytes of each model, and under reduce-overhead each model's host time per
+call (where it exceeds the GPU's time, Python sets the pace); writes everything as JSON to --out.
 
 `--quick` runs tiny shapes eagerly with host timing on any device (a CPU smoke test).
 """
@@ -83,6 +84,20 @@ def time_ms(fn, device, quick) -> float:
     return (time.perf_counter() - t0) / 3 * 1e3
 
 
+def host_us_per_call(fn, x, calls: int = 200) -> float:
+    """The host's time per call of fn(x), the GPU not waited for (but at the end): where it
+    exceeds the GPU's time per call, the calls are paced by Python (dynamo's guards, CUDA graph
+    trees' bookkeeping), not by their kernels."""
+    fn(x)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(x)
+    host = (time.perf_counter() - t0) / calls * 1e6
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return host
+
+
 def captured(fn, x):
     """fn(x) recorded once into a CUDA graph (after warm-up calls on a side stream, as
     torch.cuda.graph needs); the returned callable replays it (x's values are read from
@@ -128,7 +143,7 @@ def main(argv=None):
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": datetime.date.today().isoformat(), "hidden": hidden, "ffn": ffn,
               "command": " ".join(sys.argv), "resident_bytes": {k: resident_bytes(m) for k, m in models.items()},
-              "ms": {}}
+              "ms": {}, "host_us": {}}
     print(f"two LayerNormMLP {hidden}x{ffn} blocks, bf16, on {result['device']}")
     for name, b in result["resident_bytes"].items():
         print(f"  resident {name:<32}{b / 2**20:10.1f} MiB  {b / result['resident_bytes']['bf16']:.3f}x bf16")
@@ -136,7 +151,7 @@ def main(argv=None):
         for mode in modes:
             for n in tokens:
                 x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16)
-                row = {}
+                row, host = {}, {}
                 for name, model in models.items():
                     torch._dynamo.reset()
                     fn = model if mode == "eager" else torch.compile(
@@ -144,9 +159,14 @@ def main(argv=None):
                     if mode == "graph":
                         fn = captured(fn, x)
                     row[name] = time_ms(lambda: fn(x), device, args.quick)
+                    if mode == "reduce-overhead":
+                        host[name] = host_us_per_call(fn, x)
                 result["ms"][f"{mode}/{n}"] = row
                 print(f"{mode:>16} {n:>5} tokens: " + "  ".join(
                     f"{k} {v:.3f} ms ({row['bf16'] / v:.2f}x)" for k, v in row.items()))
+                if host:
+                    result["host_us"][f"{mode}/{n}"] = dict(host)
+                    print(f"{'':>16} {'':>5} host per call: " + "  ".join(f"{k} {v:.0f} us" for k, v in host.items()))
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"written to {args.out}")
 
