@@ -7,7 +7,8 @@ GEMM rates at 8192^3, whether torch's scaled GEMM takes Float8BlockScaling's
 1x128 / 128x128 block scales on this GPU (checked against te_func's exact
 emulation), the time of te_func's compiled current-scaling cast of a
 (16384, 4096) activation against its byte floor, and decode-sized (1-64 token) FP8
-and bf16 GEMMs replayed from CUDA graphs. `--parts` picks some. Writes probe.json.
+and bf16 GEMMs replayed from CUDA graphs, and what a decode-sized FP8 GEMM's output dtype and bias
+epilogue cost (`--parts decode_epilogues`, not run by default). `--parts` picks some. Writes probe.json.
 """
 from __future__ import annotations
 
@@ -133,13 +134,49 @@ def decode_gemms(res):
         res[f"decode_weight_bytes_n{n}_k{k}_floor_us_fp8"] = round(n * k / (4.25e12) * 1e6, 2)
 
 
+def kernel_names(fn) -> list[str]:
+    """The GPU kernels one call of fn launches, in order."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name[:60] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def decode_epilogues(res):
+    """Decode-sized FP8 x FP8 GEMMs (tokens first, fast accumulation, as a frozen forward runs
+    them), replayed from CUDA graphs, by what the GEMM writes: a bf16 output (where cuBLAS splits
+    K it adds a reduction kernel), an fp32 output (then rounded to bf16, or not), and a bf16
+    output with the bias added in the epilogue; the kernels each launches, and whether the fp32
+    route gives the bf16 route's bits."""
+    one = torch.ones((), device="cuda")
+    for n, k in ((14336, 4096), (4096, 14336)):
+        w8 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        for m in (16, 64):
+            x8 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+            key = f"epilogue_m{m}_n{n}_k{k}"
+
+            def mm(dtype, **kw):
+                return torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=dtype, use_fast_accum=True,
+                                        **kw)
+            variants = {"bf16": lambda: mm(torch.bfloat16), "fp32": lambda: mm(torch.float32),
+                        "fp32_then_bf16": lambda: mm(torch.float32).to(torch.bfloat16),
+                        "bf16_bias": lambda: mm(torch.bfloat16, bias=bias)}
+            for name, fn in variants.items():
+                res[f"{key}_{name}_us"] = round(graph_us(fn), 2)
+                res[f"{key}_{name}_kernels"] = kernel_names(fn)
+            res[f"{key}_fp32_route_same_bits"] = torch.equal(variants["fp32_then_bf16"](), variants["bf16"]())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--parts", default="ceilings,blockwise,quantize_cost,decode_gemms")
     args = ap.parse_args()
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    parts = {f.__name__: f for f in (ceilings, blockwise, quantize_cost, decode_gemms)}
+    parts = {f.__name__: f for f in (ceilings, blockwise, quantize_cost, decode_gemms, decode_epilogues)}
     for part in (parts[name] for name in args.parts.split(",")):
         try:
             part(res)
