@@ -331,10 +331,12 @@ class NVFP4BlockScaling:
     def qparams(self, role: str) -> QParams:
         """TE's derived per-role options: RHT for the input's and the gradient's columnwise
         (weight-gradient) copies, 2-D blocks for weights, stochastic rounding for gradients."""
-        return {"input": QParams(random_hadamard_transform=not self.disable_rht),
-                "weight": QParams(fp4_2d_quantization=not self.disable_2d_quantization),
-                "grad": QParams(random_hadamard_transform=not self.disable_rht,
-                                stochastic_rounding=not self.disable_stochastic_rounding)}[role]
+        rht = not self.disable_rht
+        # (random_hadamard_transform, stochastic_rounding, fp4_2d_quantization); every field of
+        # QParams given, as te_func.quant.Quantized.tensorwise says why.
+        options = {"input": (rht, False, False), "weight": (False, False, not self.disable_2d_quantization),
+                   "grad": (rht, not self.disable_stochastic_rounding, False)}[role]
+        return QParams(False, 0.0, *options)
 
     @property
     def fp4_quant_fwd_inp(self) -> QParams:

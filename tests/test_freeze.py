@@ -7,6 +7,7 @@ small model holding every kind of GEMM layer.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -270,6 +271,43 @@ def test_a_compiled_frozen_call_looks_up_no_missing_attribute(recipe, monkeypatc
         got = compiled(x)
     assert torch.equal(got, want)
     assert lookups == []
+
+
+@pytest.mark.parametrize("recipe", FP8)
+def test_compiled_calls_build_no_frozen_dataclass_from_its_defaults(recipe, monkeypatch):
+    """Where torch.compile (2.11) traces a frozen dataclass built with a field left to its default,
+    the compiled code checks that default again before every call, in Python (on the H200's host,
+    giving every field halved two frozen blocks' guard check: docs/benchmarks.md, "Decode under
+    reduce-overhead: where the host's time goes"). Every one te_func builds in a compiled frozen call
+    or training step is given all its fields. Recorded while dynamo traces: on a torch that no
+    longer guards defaults (2.13) the construction is the same, so this checks te_func's code."""
+    user_defined = pytest.importorskip("torch._dynamo.variables.user_defined")
+    traced = getattr(user_defined, "UserDefinedClassVariable", None)
+    if traced is None or not hasattr(traced, "call_function"):
+        pytest.skip("this torch's dynamo traces classes elsewhere")
+    defaulted, call_function = [], traced.call_function
+
+    def recording(self, tx, args, kwargs):
+        cls = self.value
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen:
+            fields = [f.name for f in dataclasses.fields(cls) if f.init]
+            if len(args) + len(kwargs) < len(fields):
+                at = tx.frame_summary()
+                defaulted.append(f"{cls.__name__}({len(args) + len(kwargs)} of {fields}) at {at.filename}:{at.lineno}")
+        return call_function(self, tx, args, kwargs)
+    monkeypatch.setattr(traced, "call_function", recording)
+
+    torch._dynamo.reset()
+    model, ws = trained(recipe)
+    params, x = detached_params(model), torch.randn(2, 8, 64)
+
+    def loss_fn(p, w, x):
+        out, new_w = tef.functional_call(model, p, w, (x,), recipe=recipe, is_first_microbatch=False)
+        return out.square().sum(), new_w
+    torch.compile(tef.grad(loss_fn), fullgraph=True, backend="eager")(params, ws, x)
+    with torch.no_grad():
+        torch.compile(tef.freeze(model, recipe, workspaces=ws), fullgraph=True, backend="eager")(x)
+    assert sorted(set(defaulted)) == []     # each place once
 
 
 @pytest.mark.slow

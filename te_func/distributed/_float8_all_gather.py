@@ -193,7 +193,7 @@ class Float8GatheredWeight(CarriedCast):
         # A copy: the gathered bytes live in FSDP's all-gather buffer, which FSDP frees and
         # refills, while the cast stays in the workspaces (the cache of later microbatches).
         # Row-major: a TransposedLinear's weight arrives as a transposed view.
-        q = Quantized(self._data.clone(memory_format=torch.contiguous_format), self._scale_inv.clone())
+        q = Quantized.tensorwise(self._data.clone(memory_format=torch.contiguous_format), self._scale_inv.clone())
         return WeightCast(q, transpose(q)), None if state is None else record_amax(state, self._amax)
 
     @classmethod
@@ -211,7 +211,7 @@ class Float8GatheredWeight(CarriedCast):
         if func in (_aten.empty_like.default, _aten.zeros_like.default):  # a gradient buffer
             return torch.zeros(w.shape, dtype=kwargs.get("dtype") or w.dtype, device=w.device)
         if func in (_aten.isfinite.default, _aten.isnan.default, _aten.isinf.default):   # set_check_finite
-            return func(dequantize(Quantized(w._data, w._scale_inv)))
+            return func(dequantize(Quantized.tensorwise(w._data, w._scale_inv)))
         raise RuntimeError(
             f"te_func: {func} was called on a weight that FSDP all-gathered in FP8 for {w._recipe!r}; such a "
             f"weight only feeds te_func's FP8 GEMMs under that recipe. A high-precision (recipe=None) or "

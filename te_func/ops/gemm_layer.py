@@ -239,7 +239,7 @@ class GemmSlot:
         """x (tokens, in) -> (out (tokens, out) in x's dtype, this slot's outputs by name).
         x_amax: max |x| where x's producer took it (`forward_gemm`)."""
         n, cfg = self._n, self.cfg
-        w = Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block, t[n("w_amax")])
+        w = Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block, t[n("w_amax")], None)
         out, xq, xq_t, new_x = forward_gemm(x, w, bias, cfg, _state(cfg.input, t[n("x_record")], t[n("x_scale")]),
                                             x_amax, t.get(n("x_scale_inv")))
         saved = (None, None, None)
@@ -287,10 +287,10 @@ class GemmSlot:
         if cfg.backward_override is not None:
             return (*self._backward_unquantized(s, casts.grad_out, casts.need_dx, casts.need_dw, dx_dtype, w_dtype),
                     {})
-        w_t = Quantized(s[n("w_t")], s[n("w_t_scale_inv")], cfg.weight.block, s[n("w_amax")]) if casts.need_dx \
-            else None
+        w_t = Quantized(s[n("w_t")], s[n("w_t_scale_inv")], cfg.weight.block, s[n("w_amax")], None) \
+            if casts.need_dx else None
         xq_t = Quantized(s[n("x_saved")], s[n("x_saved_scale_inv")], cfg.input.block,
-                         s[n("x_saved_amax")]) if casts.need_dw else None
+                         s[n("x_saved_amax")], None) if casts.need_dw else None
         dx, dw = (None, None) if casts.gq is None else backward_gemms(casts.gq, casts.gq_t, w_t, xq_t, cfg,
                                                                       dx_dtype, w_dtype)
         sink = n("g_sink")
@@ -302,10 +302,10 @@ class GemmSlot:
         # to the gradient's dtype ("dequantized"), or the original tensors ("high_precision").
         n, cfg, dtype = self._n, self.cfg, grad_out.dtype
         if cfg.backward_override == "dequantized":
-            w = dequantize(Quantized(s[n("w")], s[n("w_scale_inv")], cfg.weight.block, s[n("w_amax")]),
+            w = dequantize(Quantized(s[n("w")], s[n("w_scale_inv")], cfg.weight.block, s[n("w_amax")], None),
                            dtype) if need_dx else None
             x = dequantize(Quantized(s[n("x_saved")], s[n("x_saved_scale_inv")], cfg.input.block,
-                                     s[n("x_saved_amax")]), dtype) if need_dw else None
+                                     s[n("x_saved_amax")], None), dtype) if need_dw else None
         else:
             w, x = s[self.weight].to(dtype), s[n("x_saved")]
         dx = (grad_out @ w).to(dx_dtype) if need_dx else None                   # (tokens, in)

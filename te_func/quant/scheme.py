@@ -69,25 +69,32 @@ def scheme_for(recipe, role: str) -> Scheme:
         # stochastic rounding for gradients (unless disable_stochastic_rounding).
         qp = recipe.qparams(role)
         block = (16, 16) if qp.fp4_2d_quantization else (1, 16)
-        return Scheme(torch.uint8, recipe.fp4_format.max(role), block, "nvfp4",
-                      hadamard=qp.random_hadamard_transform, stochastic_rounding=qp.stochastic_rounding)
+        return _scheme(torch.uint8, recipe.fp4_format.max(role), block, "nvfp4",
+                       hadamard=qp.random_hadamard_transform, stochastic_rounding=qp.stochastic_rounding)
     fmt = recipe.fp8_format
     dtype, fp8_max = fmt.dtype(role), fmt.max(role)
     if isinstance(recipe, Float8CurrentScaling):
         qp = recipe.qparams(role)
-        return Scheme(dtype, fp8_max, None, "current", qp.amax_epsilon, qp.power_2_scale)
+        return _scheme(dtype, fp8_max, None, "current", qp.amax_epsilon, qp.power_2_scale)
     if isinstance(recipe, DelayedScaling):
-        return Scheme(dtype, fp8_max, None, "delayed", margin=recipe.margin)
+        return _scheme(dtype, fp8_max, None, "delayed", margin=recipe.margin)
     if isinstance(recipe, MXFP8BlockScaling):
         # enable_2d_quantization: 32x32 blocks for weights (one E8M0 scale per block).
         block = (32, 32) if role == "weight" and recipe.enable_2d_quantization else (1, 32)
-        return Scheme(dtype, fp8_max, block, "e8m0")
+        return _scheme(dtype, fp8_max, block, "e8m0")
     if isinstance(recipe, Float8BlockScaling):
         qp = recipe.qparams(role)
         block = (1, 128) if recipe.block_dim(role) == 1 else (128, 128)
-        return Scheme(dtype, fp8_max, block, "current", qp.amax_epsilon, qp.power_2_scale)
+        return _scheme(dtype, fp8_max, block, "current", qp.amax_epsilon, qp.power_2_scale)
     raise TypeError(f"not a te_func recipe: {recipe!r} (use te_func.recipe.DelayedScaling, "
                     f"Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling or NVFP4BlockScaling, or None)")
+
+
+def _scheme(dtype, fp8_max, block, rule, amax_epsilon=0.0, power_2_scale=False, margin=0, hadamard=False,
+            stochastic_rounding=False) -> Scheme:
+    # Every field given, as te_func.quant.Quantized.tensorwise says why (this function's own
+    # defaults are checked by torch.compile in C++).
+    return Scheme(dtype, fp8_max, block, rule, amax_epsilon, power_2_scale, margin, hadamard, stochastic_rounding)
 
 
 def round_down_pow2(scale: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,14 @@ class Quantized:
     global_amax: torch.Tensor | None = None
     columns: int | None = None
 
+    # te_func builds its Quantized tensors with every field given (`tensorwise` below for the
+    # tensor-wise ones): where torch.compile (2.11) traces a frozen dataclass built with a default,
+    # its compiled code re-reads the class's fields in Python before every call.
+    @classmethod
+    def tensorwise(cls, data: torch.Tensor, scale_inv: torch.Tensor) -> "Quantized":
+        """One scale for the whole tensor: `scale_inv` ()."""
+        return cls(data, scale_inv, None, None, None)
+
     @property
     def nvfp4(self) -> bool:
         return self.global_amax is not None
@@ -199,8 +207,8 @@ def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | No
     if out is None:
         return None
     data, data_t, scale_inv, amax = out
-    q_t = None if data_t is None else Quantized(data_t, scale_inv)
-    return Quantized(data, scale_inv), q_t, record_amax(state, amax) if s.rule == "delayed" else None
+    q_t = None if data_t is None else Quantized.tensorwise(data_t, scale_inv)
+    return Quantized.tensorwise(data, scale_inv), q_t, record_amax(state, amax) if s.rule == "delayed" else None
 
 
 def _compiled_cast(x: torch.Tensor, s: Scheme, amax: torch.Tensor | None) -> Quantized | None:
@@ -219,13 +227,13 @@ def _compiled_cast(x: torch.Tensor, s: Scheme, amax: torch.Tensor | None) -> Qua
         partials = abs_skipping_nan(x).reshape(-1, row).amax(1)
     data, scale_inv = cast_from_partials(x.reshape(-1, x.shape[-1]).contiguous(), partials, s.dtype, s.fp8_max,
                                          s.amax_epsilon, s.power_2_scale)
-    return Quantized(data.reshape(x.shape), scale_inv)
+    return Quantized.tensorwise(data.reshape(x.shape), scale_inv)
 
 
 def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> Quantized:
     """The tensor-wise cast of `x` with a given scale () fp32: what `quantize_scheme` does once it
     has the scale (an FP8 all-gather casts a shard with the scale of the whole tensor)."""
-    return Quantized(_cast(x, scale, s), torch.reciprocal(scale))
+    return Quantized.tensorwise(_cast(x, scale, s), torch.reciprocal(scale))
 
 
 def _quantize_nvfp4(x: torch.Tensor, s: Scheme, rng: torch.Tensor | None, stream: int,
@@ -311,7 +319,7 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state=None, amax: torch.Tensor |
         scale = scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale)
         scale_inv = torch.reciprocal(scale)
     data = _cast(x, _expand(scale, s.block, x.shape), s)
-    return Quantized(data, scale_inv, s.block), None
+    return Quantized(data, scale_inv, s.block, None, None), None
 
 
 def quantize(x: torch.Tensor, recipe, role: str = "input", state=None):
@@ -337,7 +345,7 @@ def transpose(q: Quantized) -> Quantized:
     # clone, not contiguous(): a transpose that is already contiguous (one block of scales)
     # would otherwise share storage with the original, which a checkpoint cannot hold twice.
     scale_inv = q.scale_inv if q.block is None else q.scale_inv.t().clone(memory_format=torch.contiguous_format)
-    return Quantized(q.data.t().clone(memory_format=torch.contiguous_format), scale_inv, q.block)
+    return Quantized(q.data.t().clone(memory_format=torch.contiguous_format), scale_inv, q.block, None, None)
 
 
 def quantize_with_transpose(x: torch.Tensor, s: Scheme, state=None, amax: torch.Tensor | None = None):

@@ -160,8 +160,8 @@ def cast_to_flat(cast: WeightCast, s: Scheme) -> dict[str, torch.Tensor]:
 def cast_from_flat(flat: dict, s: Scheme) -> WeightCast:
     scale_inv_t = flat["scale_inv"] if _shared_scale(s) else flat["scale_inv_t"]
     amax = flat["global_amax"] if s.nvfp4 else None
-    return WeightCast(Quantized(flat["data"], flat["scale_inv"], s.block, amax),
-                      Quantized(flat["data_t"], scale_inv_t, s.block, amax))
+    return WeightCast(Quantized(flat["data"], flat["scale_inv"], s.block, amax, None),
+                      Quantized(flat["data_t"], scale_inv_t, s.block, amax, None))
 
 
 class CarriedCast(torch.Tensor):
