@@ -10,11 +10,14 @@ prints tokens/s and the resident bytes of each.
 
 `--compile` generates as transformers compiles decoding: a static KV cache, and each
 one-token step through `torch.compile(fullgraph=True, mode="reduce-overhead")` (CUDA
-graphs), for both models. On a CPU FP8 is emulated (exact numerics, not FP8 speed).
+graphs), for both models; `--skip-guards` then times it with dynamo's guard check off
+(docs/inference.md, "Serving under reduce-overhead"). On a CPU FP8 is emulated (exact
+numerics, not FP8 speed).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -42,7 +45,7 @@ def resident_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def tokens_per_s(model, prompt, new_tokens, device, compiled: bool) -> float:
+def tokens_per_s(model, prompt, new_tokens, device, compiled: bool, skip_guards: bool = False) -> float:
     # transformers compiles the decode step itself when the cache is static (its "auto-compile").
     kw = dict(cache_implementation="static", compile_config=CompileConfig(fullgraph=True)) if compiled else {}
 
@@ -52,10 +55,13 @@ def tokens_per_s(model, prompt, new_tokens, device, compiled: bool) -> float:
         run()                                           # warm-up (compiles, when compiled)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        # The same generate() was warmed up: every graph it calls is compiled (docs/inference.md).
+        stance = torch.compiler.set_stance(skip_guard_eval_unsafe=True) if skip_guards else contextlib.nullcontext()
+        with stance:
+            t0 = time.perf_counter()
+            out = run()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
     return prompt.shape[0] * new_tokens / (time.perf_counter() - t0), out
 
 
@@ -72,6 +78,9 @@ def main(argv=None):
                              "one-token decode step, docs/inference.md)")
     parser.add_argument("--compile", action="store_true",
                         help="static KV cache, decode steps compiled with CUDA graphs (transformers' auto-compile)")
+    parser.add_argument("--skip-guards", action="store_true",
+                        help="after the warm-up, time generate() with dynamo's guard check off "
+                             "(torch.compiler.set_stance(skip_guard_eval_unsafe=True)), for both models")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -89,10 +98,11 @@ def main(argv=None):
     prompt = torch.randint(0, vocab, (args.batch, args.prompt_tokens), device=device)
     rows = []
     for name, model in ((f"{dtype}".removeprefix("torch."), reference), (f"frozen {args.recipe}", frozen)):
-        rate, out = tokens_per_s(model, prompt, args.new_tokens, device, args.compile)
+        rate, out = tokens_per_s(model, prompt, args.new_tokens, device, args.compile, args.skip_guards)
         rows.append((name, rate, resident_bytes(model), out))
     print(f"HF Llama {args.size} on {device}: batch {args.batch}, {args.prompt_tokens} prompt tokens, "
-          f"{args.new_tokens} new, weight_only_tokens={args.weight_only_tokens}, compiled={args.compile}")
+          f"{args.new_tokens} new, weight_only_tokens={args.weight_only_tokens}, compiled={args.compile}, "
+          f"skip_guards={args.skip_guards}")
     print(f"{'model':<18}{'tokens/s':>12}{'resident MiB':>15}")
     for name, rate, size, _ in rows:
         print(f"{name:<18}{rate:>12.1f}{size / 2**20:>15.1f}")
