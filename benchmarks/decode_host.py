@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -31,28 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from inference import TorchMLP, captured, frozen_blocks  # noqa: E402
+from inference import TorchMLP, captured, frozen_blocks, host_and_gpu_us  # noqa: E402
 from profile_step import kernels_per_call  # noqa: E402
 from te_func.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
 
 HIDDEN, FFN = 4096, 14336
-SLEEP_CYCLES = 3_000_000        # ~1.5 ms of GPU: longer than any host call measured here
-
-
-def host_and_gpu_us(fn, x, calls: int = 60, skip: int = 10) -> tuple[float, float]:
-    """Median host time and median GPU time of fn(x), in us (the first `skip` calls dropped)."""
-    host, gpu = [], []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(calls):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        start.record()
-        t0 = time.perf_counter()
-        fn(x)
-        host.append((time.perf_counter() - t0) * 1e6)
-        end.record()
-        torch.cuda.synchronize()
-        gpu.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(host[skip:]), statistics.median(gpu[skip:])
 
 
 def print_kernels(title: str, fn, x):

@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -91,17 +92,39 @@ def time_ms(fn, device, quick) -> float:
 
 
 def host_us_per_call(fn, x, calls: int = 200) -> float:
-    """The host's time per call of fn(x), the GPU not waited for (but at the end): where it
-    exceeds the GPU's time per call, the calls are paced by Python (dynamo's guards, CUDA graph
-    trees' bookkeeping), not by their kernels."""
+    """The host's time per call of fn(x): where it exceeds the GPU's time per call, the calls are
+    paced by Python (dynamo's guards, CUDA graph trees' bookkeeping), not by their kernels. On
+    CUDA the median of `host_and_gpu_us`, the GPU held busy while the host issues each call; else
+    the mean of `calls` calls."""
+    if x.is_cuda:
+        return host_and_gpu_us(fn, x)[0]
     fn(x)
     t0 = time.perf_counter()
     for _ in range(calls):
         fn(x)
-    host = (time.perf_counter() - t0) / calls * 1e6
-    if x.is_cuda:
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+SLEEP_CYCLES = 3_000_000        # ~1.5 ms of GPU: longer than any host call measured here
+
+
+def host_and_gpu_us(fn, x, calls: int = 60, skip: int = 10) -> tuple[float, float]:
+    """Median host time and median GPU time of fn(x) on CUDA, in us (the first `skip` calls
+    dropped). A sleep kernel holds the GPU while the host issues each call, so the host's time
+    is its own (never blocked behind earlier work) and CUDA events around the call time only
+    its GPU work."""
+    host, gpu = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(calls):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start.record()
+        t0 = time.perf_counter()
+        fn(x)
+        host.append((time.perf_counter() - t0) * 1e6)
+        end.record()
         torch.cuda.synchronize()
-    return host
+        gpu.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(host[skip:]), statistics.median(gpu[skip:])
 
 
 def captured(fn, x):
