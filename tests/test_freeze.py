@@ -278,7 +278,7 @@ def test_compiled_calls_build_no_frozen_dataclass_from_its_defaults(recipe, monk
     """Where torch.compile (2.11) traces a frozen dataclass built with a field left to its default,
     the compiled code checks that default again before every call, in Python (on the H200's host,
     giving every field halved two frozen blocks' guard check: docs/benchmarks.md, "Decode under
-    reduce-overhead: where the host's time goes"). Every one te_func builds in a compiled frozen call
+    reduce-overhead: where the time goes"). Every one te_func builds in a compiled frozen call
     or training step is given all its fields. Recorded while dynamo traces: on a torch that no
     longer guards defaults (2.13) the construction is the same, so this checks te_func's code."""
     user_defined = pytest.importorskip("torch._dynamo.variables.user_defined")
