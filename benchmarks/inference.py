@@ -19,7 +19,8 @@ loop whose shapes are all warmed up may run them (docs/inference.md). `--static-
 the input a static address, which reduce-overhead's CUDA graphs then read in place (a loop
 that writes each step's input into one buffer) instead of copying it in before each replay.
 
-`--quick` runs tiny shapes eagerly with host timing on any device (a CPU smoke test).
+`--quick` runs tiny shapes with host timing on any device (a CPU smoke test), eagerly unless
+`--modes` says otherwise.
 """
 from __future__ import annotations
 
@@ -152,7 +153,8 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--ffn", type=int, default=14336)
     parser.add_argument("--tokens", default="8192,1,16,64")
-    parser.add_argument("--modes", default="default,reduce-overhead,graph")
+    parser.add_argument("--modes", default=None,
+                        help="default,reduce-overhead,graph (the default), or eager; --quick: eager unless given")
     parser.add_argument("--weight-only-tokens", type=int, default=64)
     parser.add_argument("--skip-guards", action="store_true",
                         help="time the compiled modes (not graph) under torch.compiler.set_stance("
@@ -161,12 +163,14 @@ def main(argv=None):
                         help="mark each token count's input a static address (torch._dynamo.mark_static_address), "
                              "so that reduce-overhead's CUDA graphs read it in place instead of copying it")
     parser.add_argument("--out", required=True, help="where the JSON goes")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, eager, host timing (any device)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, host timing (any device)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hidden, ffn = (64, 128) if args.quick else (args.hidden, args.ffn)
     tokens = [int(t) for t in args.tokens.split(",")]
-    modes = ["eager"] if args.quick else args.modes.split(",")
+    modes = (args.modes or ("eager" if args.quick else "default,reduce-overhead,graph")).split(",")
+    if "graph" in modes and device.type != "cuda":
+        raise SystemExit("mode graph captures a CUDA graph: it needs a GPU")
 
     torch.manual_seed(0)
     models = {"bf16": torch.nn.Sequential(TorchMLP(hidden, ffn, device), TorchMLP(hidden, ffn, device))}
