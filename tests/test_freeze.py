@@ -307,6 +307,9 @@ def test_compiled_calls_build_no_frozen_dataclass_from_its_defaults(recipe, monk
     torch.compile(tef.grad(loss_fn), fullgraph=True, backend="eager")(params, ws, x)
     with torch.no_grad():
         torch.compile(tef.freeze(model, recipe, workspaces=ws), fullgraph=True, backend="eager")(x)
+        llama = tef.convert(tiny_llama(layers=1)).eval()             # a converted HF model, frozen
+        hf = tef.freeze(llama, recipe, workspaces=tef.init_workspaces(llama, recipe))
+        torch.compile(hf, fullgraph=True, backend="eager")(torch.randint(0, 128, (1, 5)), use_cache=False)
     assert sorted(set(defaulted)) == []     # each place once
 
 
