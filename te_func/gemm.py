@@ -42,13 +42,25 @@ def _use_scaled_mm(a: Quantized, b: Quantized) -> bool:
 
 @torch.library.custom_op("te_func::scaled_mm", mutates_args=())
 def _batched_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                       out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """a (M, K) x b (N, K) -> (M, N) in one torch._scaled_mm, for operands batched by vmap:
-    torch._scaled_mm has no batching rule (vmap would loop over slices in layouts cuBLASLt
-    refuses), this op has one (below)."""
+                       out_dtype: torch.dtype, fast_accum: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a (M, K) x b (N, K) (+ bias (N,) of out_dtype) -> (M, N) in one torch._scaled_mm, for
+    operands batched by vmap: torch._scaled_mm has no batching rule (vmap would loop over slices
+    in layouts cuBLASLt refuses), this op has one (below)."""
     a, b, scale_a, scale_b = (_aligned(t.contiguous()) for t in (a, b, scale_a, scale_b))
-    return torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
-                            use_fast_accum=fast_accum)
+    return _scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, None if bias is None else bias.contiguous())
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+               out_dtype: torch.dtype, fast_accum: bool | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """torch._scaled_mm of a (M, K) row-major and b (N, K) (read as column-major b.T), the bias in
+    the epilogue: added to the fp32 product, then rounded once. cuBLASLt takes no bias for an fp32
+    result; in fp32 the add after the GEMM is that same sum. fast_accum None: torch's default
+    (block-scaled GEMMs take no such option)."""
+    fp32_bias = bias is not None and out_dtype == torch.float32
+    accum = {} if fast_accum is None else {"use_fast_accum": fast_accum}
+    out = torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=scale_a, scale_b=scale_b,
+                           bias=None if fp32_bias else bias, out_dtype=out_dtype, **accum)
+    return out + bias if fp32_bias else out
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -58,25 +70,26 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 @_batched_scaled_mm.register_fake
-def _(a, b, scale_a, scale_b, out_dtype, fast_accum):
+def _(a, b, scale_a, scale_b, out_dtype, fast_accum, bias=None):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 @_batched_scaled_mm.register_vmap
-def _(info, in_dims, a, b, scale_a, scale_b, out_dtype, fast_accum):
+def _(info, in_dims, a, b, scale_a, scale_b, out_dtype, fast_accum, bias=None):
     dim_a, dim_b, dim_sa, dim_sb = in_dims[:4]
-    if dim_a is not None and dim_b is None and dim_sa is None and dim_sb is None:
+    dim_bias = in_dims[6] if len(in_dims) > 6 else None
+    if dim_a is not None and dim_b is None and dim_sa is None and dim_sb is None and dim_bias is None:
         # Samples of one operand against a shared weight with shared scales (a forward or an
         # input-gradient GEMM; per-sample gradients in batch scope): the samples' rows stacked
         # are the batch's GEMM, so it is one GEMM and gives the batch's result bit for bit.
         a = a.movedim(dim_a, 0)
-        out = _batched_scaled_mm(a.flatten(0, 1), b, scale_a, scale_b, out_dtype, fast_accum)
+        out = _batched_scaled_mm(a.flatten(0, 1), b, scale_a, scale_b, out_dtype, fast_accum, bias)
         return out.unflatten(0, a.shape[:2]), 0
-    # Both operands per sample (a weight-gradient GEMM) or per-sample scales: one GEMM a sample.
+    # Both operands per sample (a weight-gradient GEMM), per-sample scales or biases: one GEMM a sample.
     def sample(t, dim, i):
         return t if dim is None else t.select(dim, i)
     outs = [_batched_scaled_mm(sample(a, dim_a, i), sample(b, dim_b, i), sample(scale_a, dim_sa, i),
-                               sample(scale_b, dim_sb, i), out_dtype, fast_accum)
+                               sample(scale_b, dim_sb, i), out_dtype, fast_accum, sample(bias, dim_bias, i))
             for i in range(info.batch_size)]
     return torch.stack(outs), 0
 
@@ -111,23 +124,32 @@ def _pow2_blocks_on_gpu(a: Quantized, b: Quantized) -> bool:
             and b.scale_inv.dtype == torch.uint8)
 
 
-def _nvfp4_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+def _nvfp4_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     """NVFP4 x NVFP4 as the block-scaled FP4 tensor cores compute it: per-block products are
     exact, they accumulate in fp32, and the epilogue multiplies by alpha = fl(fl(amax_a * amax_b)
     * fl32(1 / (6 * 6 * 448 * 448))), TE's per-tensor scale of the GEMM
-    (compute_nvfp4_per_tensor_scale_kernel). Hopper and CPUs have no FP4 GEMM: this fp32 GEMM
-    computes the same function up to accumulation order; on a GPU its operands are exact in
-    tf32 too, so allow_tf32 changes nothing."""
+    (compute_nvfp4_per_tensor_scale_kernel), then adds the bias. Hopper and CPUs have no FP4 GEMM:
+    this fp32 GEMM computes the same function up to accumulation order; on a GPU its operands are
+    exact in tf32 too, so allow_tf32 changes nothing."""
     if not (a.nvfp4 and b.nvfp4):
         raise ValueError("an NVFP4 GEMM needs two NVFP4 operands (te_func.quant.Quantized with global_amax)")
     acc = nvfp4_block_values(a) @ nvfp4_block_values(b).t()
     alpha = (a.global_amax * b.global_amax) * (1.0 / (nvfp4.E2M1_MAX ** 2 * nvfp4.E4M3_MAX ** 2))
-    return (acc * alpha).to(out_dtype)
+    return _rounded(acc * alpha, bias, out_dtype)
 
 
-def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool = True) -> torch.Tensor:
-    """(M, K) x (N, K) -> (M, N) = dequantize(a) @ dequantize(b).T, in `out_dtype`.
+def _rounded(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    # The epilogue of every path: the fp32 result plus the bias, rounded once.
+    return (acc if bias is None else acc + bias.float()).to(out_dtype)
 
+
+def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool = True,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(M, K) x (N, K) -> (M, N) = dequantize(a) @ dequantize(b).T + bias, in `out_dtype`.
+
+    The bias (N,), taken in `out_dtype` (as TE's GEMM takes it in the output's), is added to the
+    fp32 product before it is rounded: in cuBLAS's epilogue where cuBLAS runs the GEMM, as TE
+    adds it, and so in the emulation.
     On FP8 GPUs with tensor-wise scales this is one `torch._scaled_mm`
     (`fast_accum` as TE: on for the forward GEMM, off for the backward ones);
     Float8BlockScaling's block pairs on Hopper also run in `_scaled_mm`.
@@ -138,81 +160,89 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool
     """
     if a.data.shape[-1] != b.data.shape[-1]:
         raise ValueError(f"GEMM reduction dims differ: a {tuple(a.data.shape)}, b {tuple(b.data.shape)}")
+    if bias is not None:
+        bias = bias.to(out_dtype)
     if a.nvfp4 or b.nvfp4:
-        return _nvfp4_gemm(a, b, out_dtype)
+        return _nvfp4_gemm(a, b, out_dtype, bias)
     if _use_scaled_mm(a, b):
-        if any(map(batched_by_vmap, (a.data, b.data, a.scale_inv, b.scale_inv))):
+        if any(batched_by_vmap(t) for t in (a.data, b.data, a.scale_inv, b.scale_inv, bias) if t is not None):
             # Detached: torch._scaled_mm has no derivative either, and a backward under
             # torch.func.grad would otherwise route the op through an autograd node torch.func refuses.
             return _batched_scaled_mm(a.data.detach(), b.data.detach(), a.scale_inv.detach(), b.scale_inv.detach(),
-                                      out_dtype, fast_accum)
-        # a row-major, b column-major (casts are made row-major; a no-op then).
-        return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=a.scale_inv,
-                                scale_b=b.scale_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
+                                      out_dtype, fast_accum, None if bias is None else bias.detach())
+        return _scaled_mm(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, fast_accum, bias)
     if _use_blockwise_scaled_mm(a, b):
         # cuBLAS wants 1x128 scales outer-dim-major: (rows, K/128) stored column-major.
         scale_a = a.scale_inv.t().contiguous().t()
         scale_b = b.scale_inv.t() if b.block == (128, 128) else b.scale_inv.t().contiguous()
-        # a row-major, b column-major (casts are made row-major; a no-op then).
-        return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=scale_a, scale_b=scale_b,
-                                out_dtype=out_dtype)
+        return _scaled_mm(a.data, b.data, scale_a, scale_b, out_dtype, None, bias)
     if out_dtype == torch.bfloat16 and _pow2_blocks_on_gpu(a, b):
         # Only for a bf16 result: the bf16 GEMM rounds its output to bf16, so an fp32
         # result would lose 16 bits against the fp32 path (measured 1.5e-3 relative on an H200).
-        return (dequantize(a, torch.bfloat16) @ dequantize(b, torch.bfloat16).t()).to(out_dtype)
-    return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
+        # addmm's 1-D bias goes into cuBLAS's epilogue too: added in fp32, rounded once.
+        a_bf16, b_bf16 = dequantize(a, torch.bfloat16), dequantize(b, torch.bfloat16).t()
+        return a_bf16 @ b_bf16 if bias is None else torch.addmm(bias, a_bf16, b_bf16)
+    return _rounded(dequantize(a) @ dequantize(b).t(), bias, out_dtype)
 
 
-def weight_only_gemm(x: torch.Tensor, w: Quantized) -> torch.Tensor:
-    """(M, K) x (N, K) quantized -> (M, N) = x @ dequantize(w).T, in x's dtype: weight-only FP8.
+def weight_only_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(M, K) x (N, K) quantized -> (M, N) = x @ dequantize(w).T + bias, in x's dtype: weight-only FP8.
 
-    The GEMM runs on the unquantized activations. At a few tokens it is bound by reading
-    its weight, and this one reads FP8 bytes and skips the activation's cast.
+    The GEMM runs on the unquantized activations. At a few tokens it is bound by reading its
+    weight, and this one reads FP8 bytes and skips the activation's cast.
     te_func.freeze chooses it per call shape (`weight_only_tokens`). TE has no such path.
+    The bias is added as `gemm` adds it: to the fp32 result, before its one rounding.
     - A tensor-wise cast (Float8CurrentScaling, DelayedScaling): te_func::weight_only_mm, the
-      product of x and the FP8 values summed in fp32, times the scale, rounded once to x's
-      dtype. On FP8 GPUs one Triton kernel reads the FP8 weight once
+      product of x and the FP8 values summed in fp32, times the scale, plus the bias, rounded
+      once to x's dtype. On FP8 GPUs one Triton kernel reads the FP8 weight once
       (te_func.kernels.weight_only), eagerly and from compiled graphs alike.
     - Block scales (MXFP8, Float8BlockScaling, NVFP4): the weight is dequantized to x's
-      dtype (exact for MXFP8's power-of-2 scales) and the GEMM runs in that dtype.
+      dtype (exact for MXFP8's power-of-2 scales) and the GEMM runs in that dtype
+      (`F.linear`: on a GPU cuBLAS adds the bias in its epilogue).
     """
+    if bias is not None:
+        bias = bias.to(x.dtype)
     if w.block is None and not w.nvfp4:
         if x.shape[-1] != w.data.shape[-1]:
             raise ValueError(f"GEMM reduction dims differ: x {tuple(x.shape)}, w {tuple(w.data.shape)}")
-        out = _weight_only_mm(x.reshape(-1, x.shape[-1]), w.data, w.scale_inv)
+        out = _weight_only_mm(x.reshape(-1, x.shape[-1]), w.data, w.scale_inv, bias)
         return out.reshape(*x.shape[:-1], w.data.shape[0])
     wq = dequantize(w, x.dtype)     # NVFP4 packs two codes a byte: compare the decoded width
     if x.shape[-1] != wq.shape[-1]:
         raise ValueError(f"GEMM reduction dims differ: x {tuple(x.shape)}, w {tuple(wq.shape)}")
-    return x @ wq.t()
+    return torch.nn.functional.linear(x, wq, bias)
 
 
-def _weight_only_reference(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    return ((x.float() @ w.float().t()) * scale_inv.float()).to(x.dtype)
+def _weight_only_reference(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _rounded((x.float() @ w.float().t()) * scale_inv.float(), bias, x.dtype)
 
 
 @torch.library.custom_op("te_func::weight_only_mm", mutates_args=())
-def _weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """x (M, K) @ w (N, K).T * scale_inv () in x's dtype, w tensor-wise FP8. An op of its own so
-    that compiled graphs call the Triton kernel (inductor would otherwise generate the
+def _weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) @ w (N, K).T * scale_inv () + bias (N,) in x's dtype, w tensor-wise FP8. An op of
+    its own so that compiled graphs call the Triton kernel (inductor would otherwise generate the
     reference's ops, whose bf16 copy of the weight is what the kernel avoids)."""
-    out = kernels.weight_only_mm(x, w, scale_inv)
-    return _weight_only_reference(x, w, scale_inv) if out is None else out
+    out = kernels.weight_only_mm(x, w, scale_inv, bias)
+    return _weight_only_reference(x, w, scale_inv, bias) if out is None else out
 
 
 @_weight_only_mm.register_fake
-def _(x, w, scale_inv):
+def _(x, w, scale_inv, bias=None):
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
 @_weight_only_mm.register_vmap
-def _(info, in_dims, x, w, scale_inv):
-    dim_x, dim_w, dim_s = in_dims
-    if dim_w is None and dim_s is None:
+def _(info, in_dims, x, w, scale_inv, bias=None):
+    dim_x, dim_w, dim_s = in_dims[:3]
+    dim_bias = in_dims[3] if len(in_dims) > 3 else None
+    if dim_w is None and dim_s is None and dim_bias is None:
         # Samples of the input against one weight: their rows stacked are one GEMM.
         x = x.movedim(dim_x, 0)
-        return _weight_only_mm(x.flatten(0, 1), w, scale_inv).unflatten(0, x.shape[:2]), 0
+        return _weight_only_mm(x.flatten(0, 1), w, scale_inv, bias).unflatten(0, x.shape[:2]), 0
     def sample(t, dim, i):
         return t if dim is None else t.select(dim, i)
-    return torch.stack([_weight_only_mm(sample(x, dim_x, i), sample(w, dim_w, i), sample(scale_inv, dim_s, i))
+    return torch.stack([_weight_only_mm(sample(x, dim_x, i), sample(w, dim_w, i), sample(scale_inv, dim_s, i),
+                                        sample(bias, dim_bias, i))
                         for i in range(info.batch_size)]), 0

@@ -445,6 +445,15 @@ def test_weight_only_gemm_under_vmap_is_the_gemm_of_the_stacked_tokens():
     ws = torch.stack([w.data, w.data])       # weights batched too: one GEMM per sample
     got = torch.func.vmap(lambda x, d: weight_only_gemm(x, Quantized(d, w.scale_inv)))(xs[:2], ws)
     assert torch.equal(got, weight_only_gemm(xs[:2].reshape(14, 48), w).reshape(2, 7, 32))
+    bias = torch.randn(32, dtype=torch.bfloat16)
+    got = torch.func.vmap(weight_only_gemm, in_dims=(0, None, None))(xs, w, bias)   # a shared bias
+    assert torch.equal(got, weight_only_gemm(xs.reshape(35, 48), w, bias).reshape(5, 7, 32))
+    biases = torch.randn(2, 32, dtype=torch.bfloat16)       # a bias per sample: one GEMM per sample
+    got = torch.func.vmap(weight_only_gemm, in_dims=(0, None, 0))(xs[:2], w, biases)
+    assert torch.equal(got, torch.stack([weight_only_gemm(xs[i], w, biases[i]) for i in range(2)]))
+    # The bias goes in before the one rounding, as te_func.gemm.gemm adds it.
+    assert torch.equal(weight_only_gemm(xs[0], w, bias),
+                       ((xs[0].float() @ w.data.float().t()) * w.scale_inv + bias.float()).to(torch.bfloat16))
 
 
 # --- bad input ------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 
 from te_func.gemm import gemm
 from te_func.quant import dequantize, quantize_scheme, scheme_for
-from te_func.recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from te_func.recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
 
 
 def _pair(recipe, m, k, n, device, b_role="weight"):
@@ -36,18 +36,35 @@ def _fp8(*shape, device="cpu"):
     return torch.randn(*shape, device=device).to(torch.float8_e4m3fn)
 
 
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling(),
+                                    NVFP4BlockScaling()], ids=lambda r: type(r).__name__)
+def test_the_bias_is_added_to_the_fp32_product_before_its_one_rounding(recipe):
+    """As cuBLAS's epilogue adds it (and TE): not to the output already rounded to bf16."""
+    aq, bq = _pair(recipe, 64, 128, 96, "cpu")
+    bias = (torch.randn(96) * 3).to(torch.bfloat16)
+    got = gemm(aq, bq, torch.bfloat16, bias=bias)
+    assert torch.equal(got, (gemm(aq, bq, torch.float32) + bias.float()).to(torch.bfloat16))
+    assert not torch.equal(got, gemm(aq, bq, torch.bfloat16) + bias)     # two roundings differ somewhere
+    assert torch.equal(gemm(aq, bq, torch.float32, bias=bias), gemm(aq, bq, torch.float32) + bias.float())
+
+
+@pytest.mark.parametrize("bias", [None, "shared", "per-sample"])
 @pytest.mark.parametrize("shared", [True, False])
-def test_scaled_mm_batching_rule(shared):
+def test_scaled_mm_batching_rule(shared, bias):
     """te_func::scaled_mm under vmap, run where torch._scaled_mm runs (CPUs included): samples
-    against a shared operand with shared scales are one GEMM over the stacked rows, anything
-    else one GEMM per sample; both equal torch._scaled_mm sample by sample, bit for bit."""
+    against a shared operand with shared scales (and bias) are one GEMM over the stacked rows,
+    anything else one GEMM per sample; both equal torch._scaled_mm sample by sample, bit for bit."""
     from te_func.gemm import _batched_scaled_mm
     a, scale_b = _fp8(4, 32, 64), torch.tensor(1.5)
     b, scale_a = (_fp8(48, 64), torch.tensor(0.25)) if shared else (_fp8(4, 48, 64), torch.rand(4) + 0.5)
     dims = (0, None, None, None) if shared else (0, 0, 0, None)
-    out = torch.func.vmap(_batched_scaled_mm, in_dims=(*dims, None, None))(a, b, scale_a, scale_b, torch.float32, False)
+    biases = {None: None, "shared": torch.randn(48).bfloat16(), "per-sample": torch.randn(4, 48).bfloat16()}[bias]
+    out_dtype = torch.float32 if bias is None else torch.bfloat16
+    out = torch.func.vmap(_batched_scaled_mm, in_dims=(*dims, None, None, 0 if bias == "per-sample" else None))(
+        a, b, scale_a, scale_b, out_dtype, False, biases)
     ref = torch.stack([torch._scaled_mm(a[i], (b if shared else b[i]).t(), scale_a=scale_a if shared else scale_a[i],
-                                        scale_b=scale_b, out_dtype=torch.float32) for i in range(4)])
+                                        scale_b=scale_b, out_dtype=out_dtype,
+                                        bias=biases[i] if bias == "per-sample" else biases) for i in range(4)])
     assert torch.equal(out, ref)
 
 

@@ -102,6 +102,33 @@ def test_native_gemm_bf16_output(cuda, recipe):
     assert sqnr(want, got) > 40      # bf16 rounding of the output: about 50 dB
 
 
+@pytest.mark.parametrize("recipe", GEMM_RECIPES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("mkn", [(256, 512, 384), (16, 4096, 1024), (64, 100, 48)], ids=lambda s: "x".join(map(str, s)))
+def test_native_gemm_adds_the_bias_before_its_one_rounding(cuda, recipe, out_dtype, mkn):
+    """The bias in cuBLAS's epilogue (tensor-wise and block pairs in _scaled_mm, MXFP8's bf16
+    addmm) is the fp32 product plus the bias, rounded once. Against the float64 product of the
+    dequantized operands plus the bias, rounded: within 2 units in the last place of the result.
+    An fp32 accumulation errs by about 1e-7 of the sum of the terms' magnitudes, which where the
+    product and the bias nearly cancel is more than half an ulp of the result (1.9 ulp measured for
+    torch's fp32 GEMM on an H200); a bias added after a rounding errs by half an ulp of the product,
+    which there is many of the result's (128 ulp measured). An fp32 result takes the add after the
+    GEMM (cuBLASLt has no bias for it): that sum, bit for bit."""
+    m, k, n = mkn
+    a, _ = quantize(varied(m, k, cuda), recipe, "input")
+    b, _ = quantize(varied(n, k, cuda) / 5, recipe, "weight")
+    bias = (torch.randn(n, device=cuda) * 4).to(out_dtype)
+    got = gemm_module.gemm(a, b, out_dtype, bias=bias)
+    assert got.dtype == out_dtype and got.shape == (m, n)
+    if out_dtype == torch.float32:
+        assert torch.equal(got, gemm_module.gemm(a, b, torch.float32) + bias)
+        return
+    exact = dequantize(a, torch.float64) @ dequantize(b, torch.float64).t() + bias.double()
+    rounded = exact.to(out_dtype).double()
+    ulp = torch.finfo(out_dtype).eps * rounded.abs().clamp_min(torch.finfo(out_dtype).tiny)
+    assert ((got.double() - exact).abs() / ulp).max() <= 2.0
+
+
 # Measured on an H200 (torch 2.11 + CUDA 13.0), Linear 512 -> 256, bf16, 4x64 tokens, out /
 # dgrad / wgrad: current 28.5 / 24.6 / 24.6, MXFP8 28.5 / 28.5 / 28.4, delayed 28.5 / 24.5 / 24.5,
 # blockwise 28.4 / (see test_native_gemm_with_transposed_weight_cast) / 28.4 dB. Gradients of

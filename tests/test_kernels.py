@@ -782,21 +782,25 @@ def _ulps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("w_dtype", [E4M3, E5M2], ids=str)
 @pytest.mark.parametrize("shape", WEIGHT_ONLY_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_weight_only_kernel_matches_the_reference_to_one_rounding(device, kernels_on, shape, w_dtype, x_dtype):
-    """The kernel sums the same fp32 products as te_func.gemm's reference, in another order: the
-    results differ by at most one rounding of the output."""
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_weight_only_kernel_matches_the_reference_to_one_rounding(device, kernels_on, shape, w_dtype, x_dtype,
+                                                                 with_bias):
+    """The kernel sums the same fp32 products as te_func.gemm's reference, in another order, and
+    adds the bias before rounding as it does: the results differ by at most one rounding of the
+    output."""
     from te_func.gemm import _weight_only_reference
     m, n, k = shape
     x = torch.randn(m, k, device=device, dtype=x_dtype)
     w = (torch.randn(n, k, device=device) * 40).to(w_dtype)
     scale_inv = torch.tensor(0.0137, device=device)
+    bias = (torch.randn(n, device=device) * 5).to(x_dtype) if with_bias else None
     before = dispatch.calls["fused"]
-    got = kernels.weight_only_mm(x, w, scale_inv)
+    got = kernels.weight_only_mm(x, w, scale_inv, bias)
     assert got is not None and dispatch.calls["fused"] == before + 1
-    want = _weight_only_reference(x, w, scale_inv)
+    want = _weight_only_reference(x, w, scale_inv, bias)
     assert got.dtype == x_dtype and got.shape == (m, n)
     assert _ulps_apart(got, want).max() <= 1.0
-    exact = (x.double() @ w.double().t()) * 0.0137
+    exact = (x.double() @ w.double().t()) * 0.0137 + (0 if bias is None else bias.double())
     assert sqnr(exact, got.double()) > 45     # the output's rounding alone: bf16 ~52 dB, fp16 ~70
 
 
@@ -805,6 +809,9 @@ def test_weight_only_kernel_leaves_what_it_does_not_take_to_the_reference(kernel
     assert kernels.weight_only_mm(torch.randn(4, 16), w, s) is None                      # fp32 input
     assert kernels.weight_only_mm(torch.randn(4, 16, dtype=torch.bfloat16), w.float(), s) is None   # not FP8
     assert kernels.weight_only_mm(torch.randn(0, 16, dtype=torch.bfloat16), w, s) is None      # no tokens
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    assert kernels.weight_only_mm(x, w, s, torch.randn(8)) is None                  # a bias of another dtype
+    assert kernels.weight_only_mm(x, w, s, torch.randn(9, dtype=torch.bfloat16)) is None    # of another width
     if not INTERPRET:
         assert kernels.weight_only_mm(torch.randn(4, 16, dtype=torch.bfloat16), w, s) is None  # a CPU tensor
 

@@ -381,19 +381,22 @@ def delayed_record(history: torch.Tensor, amax: torch.Tensor):
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor | None:
-    """(x (M, K) @ w (N, K).T) * scale_inv in x's dtype by the Triton kernel, or None where it does
-    not apply: x bf16/fp16 on an FP8-capable CUDA device (or Triton's interpreter), w a
-    tensor-wise FP8 cast, scale_inv () fp32, plain tensors (te_func::weight_only_mm's implementation
-    receives them so, eagerly or from a compiled graph)."""
+def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """(x (M, K) @ w (N, K).T) * scale_inv + bias in x's dtype by the Triton kernel, or None where it
+    does not apply: x bf16/fp16 on an FP8-capable CUDA device (or Triton's interpreter), w a
+    tensor-wise FP8 cast, scale_inv () fp32, bias (N,) of x's dtype or None, plain tensors
+    (te_func::weight_only_mm's implementation receives them so, eagerly or from a compiled graph)."""
     if not (_enabled and x.dim() == 2 and w.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
             and w.dtype in _FP8_DTYPES and scale_inv.dtype == torch.float32 and scale_inv.numel() == 1
             and x.shape[1] == w.shape[1] and min(x.shape[0], *w.shape) > 0
             and max(x.numel(), w.numel()) < _MAX_NUMEL and x.device == w.device == scale_inv.device
+            and (bias is None or (bias.shape == (w.shape[0],) and bias.dtype == x.dtype and bias.device == x.device))
             and _on_kernel_device(x)):
         return None
     module = _weight_only_module()
     if module is None:
         return None
     calls["fused"] += 1
-    return module.weight_only_mm(x.contiguous(), w.contiguous(), scale_inv.reshape(()).contiguous())
+    return module.weight_only_mm(x.contiguous(), w.contiguous(), scale_inv.reshape(()).contiguous(),
+                                 None if bias is None else bias.contiguous())

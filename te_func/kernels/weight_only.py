@@ -1,10 +1,11 @@
-"""Triton kernel of weight-only FP8: out (M, N) = (x (M, K) @ w (N, K).T) * scale_inv.
+"""Triton kernel of weight-only FP8: out (M, N) = (x (M, K) @ w (N, K).T) * scale_inv + bias.
 
 w is a tensor-wise FP8 cast (E4M3 or E5M2) with its fp32 `scale_inv` (); x is bf16 or
 fp16, not quantized. At a few tokens (a decode step) the GEMM is bound by reading its
 weight: the kernel reads the FP8 bytes once and widens them to x's dtype in registers
 (exact: every E4M3 and E5M2 value is a bf16 and an fp16 value), multiplies in fp32 on the
-tensor cores and applies the scale to the fp32 sum. A dequantize followed by a bf16 GEMM
+tensor cores, applies the scale to the fp32 sum and adds the bias (N,) (x's dtype) before the
+one rounding to x's dtype, as te_func.gemm's epilogue does. A dequantize followed by a bf16 GEMM
 writes and reads the weight in bf16 again, four times the FP8 bytes.
 
 The weight is the MMA's left operand (out.T = w @ x.T): its rows fill the tensor cores'
@@ -46,8 +47,8 @@ def _configs():
 
 @triton.autotune(configs=_configs(), key=["T_BUCKET", "N", "K", "K_PER_SPLIT"])
 @triton.jit
-def _weight_only_kernel(x_ptr, w_ptr, scale_inv_ptr, out_ptr, M, N, K, K_PER_SPLIT, T_BUCKET,
-                        SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _weight_only_kernel(x_ptr, w_ptr, scale_inv_ptr, bias_ptr, out_ptr, M, N, K, K_PER_SPLIT, T_BUCKET,
+                        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pid_k, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)          # of w, = columns of out
     tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)        # rows of x and of out
@@ -67,14 +68,16 @@ def _weight_only_kernel(x_ptr, w_ptr, scale_inv_ptr, out_ptr, M, N, K, K_PER_SPL
     where = (rows[:, None] < N) & (tokens[None, :] < M)
     if SPLIT == 1:
         acc = acc * tl.load(scale_inv_ptr)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + tokens[None, :] * N + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=where)
     else:   # this split's fp32 sums, (SPLIT, M, N)
         tl.store(out_ptr + (pid_k * M + tokens[None, :]) * N + rows[:, None], acc, mask=where)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_inv_ptr, out_ptr, N, K, K_PER_SPLIT,
-                 SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, scale_inv_ptr, bias_ptr, out_ptr, N, K, K_PER_SPLIT,
+                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One token (M = 1): w's rows times x on the CUDA cores, no MMA tile to fill."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,18 +91,23 @@ def _gemv_kernel(x_ptr, w_ptr, scale_inv_ptr, out_ptr, N, K, K_PER_SPLIT,
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     if SPLIT == 1:
         acc = acc * tl.load(scale_inv_ptr)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < N)
     else:
         tl.store(out_ptr + pid_k * N + rows, acc, mask=rows < N)
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, scale_inv_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(partial_ptr, scale_inv_ptr, bias_ptr, out_ptr, numel, N, SPLIT: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.load(partial_ptr + i, mask=i < numel, other=0.0)
     for s in tl.static_range(1, SPLIT):       # in order: the same bits every call
         acc += tl.load(partial_ptr + s * numel + i, mask=i < numel, other=0.0)
     acc = acc * tl.load(scale_inv_ptr)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + i % N, mask=i < numel, other=0.0).to(tl.float32)
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=i < numel)
 
 
@@ -114,15 +122,19 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """x (M, K) bf16/fp16 contiguous, w (N, K) FP8 contiguous, scale_inv () fp32 -> (M, N) in x's dtype."""
+def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) bf16/fp16 contiguous, w (N, K) FP8 contiguous, scale_inv () fp32, bias (N,) of x's
+    dtype contiguous or None -> (M, N) in x's dtype."""
     (m, k), n = x.shape, w.shape[0]
+    has_bias = bias is not None
+    bias = scale_inv if bias is None else bias      # any pointer: the kernels do not read it
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m == 1:
         split, k_per_split = _splits(triton.cdiv(n, GEMV["BLOCK_N"]), k, x.device)
         target = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-        _gemv_kernel[(triton.cdiv(n, GEMV["BLOCK_N"]), split)](x, w, scale_inv, target, n, k, k_per_split,
-                                                                 SPLIT=split, **GEMV)
+        _gemv_kernel[(triton.cdiv(n, GEMV["BLOCK_N"]), split)](x, w, scale_inv, bias, target, n, k, k_per_split,
+                                                                 SPLIT=split, HAS_BIAS=has_bias, **GEMV)
     else:
         block_t = min(MAX_TOKEN_BLOCK, max(16, triton.next_power_of_2(m)))     # tl.dot takes >= 16
         token_blocks = triton.cdiv(m, block_t)
@@ -131,11 +143,12 @@ def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) ->
 
         def grid(meta):
             return triton.cdiv(n, meta["BLOCK_N"]), split, token_blocks
-        _weight_only_kernel[grid](x, w, scale_inv, target, m, n, k, k_per_split, block_t, SPLIT=split,
-                                  BLOCK_T=block_t)
+        _weight_only_kernel[grid](x, w, scale_inv, bias, target, m, n, k, k_per_split, block_t, SPLIT=split,
+                                  HAS_BIAS=has_bias, BLOCK_T=block_t)
     if split > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, scale_inv, out, m * n, SPLIT=split, BLOCK=block)
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, scale_inv, bias, out, m * n, n, SPLIT=split,
+                                                          HAS_BIAS=has_bias, BLOCK=block)
     return out
 
 

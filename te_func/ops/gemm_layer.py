@@ -92,18 +92,14 @@ def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: 
     compiled graph drops it).
     """
     if cfg.weight_only:
-        out = weight_only_gemm(x, w)
-        return (out if bias is None else out + bias.to(out.dtype)), None, None, x_state
+        return weight_only_gemm(x, w, bias), None, None, x_state
     if cfg.save_input and cfg.backward_override is None:
         xq, xq_t, new_state = quantize_with_transpose(x, cfg.input, x_state, x_amax)
     else:
         (xq, new_state), xq_t = quantize_scheme(x, cfg.input, x_state, x_amax), None
     if x_scale_inv is not None:
         xq = replace(xq, scale_inv=x_scale_inv)
-    out = gemm(xq, w, x.dtype, fast_accum=cfg.fast_accum[0])
-    if bias is not None:
-        out = out + bias.to(out.dtype)
-    return out, xq, xq_t, new_state
+    return gemm(xq, w, x.dtype, fast_accum=cfg.fast_accum[0], bias=bias), xq, xq_t, new_state
 
 
 def quantize_grad(grad_out: torch.Tensor, cfg: GemmConfig, with_transpose: bool, g_state=None,
