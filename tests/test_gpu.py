@@ -107,26 +107,28 @@ def test_native_gemm_bf16_output(cuda, recipe):
 @pytest.mark.parametrize("mkn", [(256, 512, 384), (16, 4096, 1024), (64, 100, 48)], ids=lambda s: "x".join(map(str, s)))
 def test_native_gemm_adds_the_bias_before_its_one_rounding(cuda, recipe, out_dtype, mkn):
     """The bias in cuBLAS's epilogue (tensor-wise and block pairs in _scaled_mm, MXFP8's bf16
-    addmm) is the fp32 product plus the bias, rounded once. Against the float64 product of the
-    dequantized operands plus the bias, rounded: within 2 units in the last place of the result.
-    An fp32 accumulation errs by about 1e-7 of the sum of the terms' magnitudes, which where the
-    product and the bias nearly cancel is more than half an ulp of the result (1.9 ulp measured for
-    torch's fp32 GEMM on an H200); a bias added after a rounding errs by half an ulp of the product,
-    which there is many of the result's (128 ulp measured). An fp32 result takes the add after the
-    GEMM (cuBLASLt has no bias for it): that sum, bit for bit."""
+    addmm) is the fp32 product plus the bias, rounded once: the same GEMM's fp32 result plus the
+    bias, rounded, to one unit in the last place (the two may accumulate in another order; with
+    fast accumulation neither is near the float64 product). A bias added after a rounding errs
+    by half an ulp of the product, which where product and bias nearly cancel is many of the
+    result's (128 ulp measured on an H200). An fp32 result takes the add after the GEMM
+    (cuBLASLt has no bias for it): that sum, bit for bit."""
     m, k, n = mkn
     a, _ = quantize(varied(m, k, cuda), recipe, "input")
     b, _ = quantize(varied(n, k, cuda) / 5, recipe, "weight")
     bias = (torch.randn(n, device=cuda) * 4).to(out_dtype)
     got = gemm_module.gemm(a, b, out_dtype, bias=bias)
+    want = gemm_module.gemm(a, b, torch.float32) + bias.float()
     assert got.dtype == out_dtype and got.shape == (m, n)
     if out_dtype == torch.float32:
-        assert torch.equal(got, gemm_module.gemm(a, b, torch.float32) + bias)
+        assert torch.equal(got, want)
         return
-    exact = dequantize(a, torch.float64) @ dequantize(b, torch.float64).t() + bias.double()
-    rounded = exact.to(out_dtype).double()
-    ulp = torch.finfo(out_dtype).eps * rounded.abs().clamp_min(torch.finfo(out_dtype).tiny)
-    assert ((got.double() - exact).abs() / ulp).max() <= 2.0
+    # MXFP8's fp32 result is the fp32 GEMM of the dequantized operands, not the bf16 GEMM its
+    # bf16 result comes from; near a cancellation it lies up to 1.9 bf16 ulp from the float64
+    # truth, where the bf16 GEMM with the bias in its epilogue stays within 1 (H200, measured).
+    bound = 2.0 if isinstance(recipe, MXFP8BlockScaling) and out_dtype == torch.bfloat16 else 1.0
+    ulp = torch.finfo(out_dtype).eps * want.to(out_dtype).float().abs().clamp_min(torch.finfo(out_dtype).tiny)
+    assert ((got.float() - want.to(out_dtype).float()).abs() / ulp).max() <= bound
 
 
 # Measured on an H200 (torch 2.11 + CUDA 13.0), Linear 512 -> 256, bf16, 4x64 tokens, out /
@@ -366,11 +368,13 @@ def test_frozen_model_under_cuda_graphs_records_once_and_replays(cuda, recipe, w
     assert len(recorded) == 1, len(recorded)
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 64])
+@pytest.mark.parametrize("tokens", [1, 16, 64, 200])
 def test_a_compiled_frozen_decode_step_casts_its_inputs_in_two_passes(cuda, tokens):
     """Current scaling at decode sizes: each GEMM input's cast in the compiled frozen model is the
     producer's pass with partial maxes (inductor's norm, the GELU kernel as te_func::gelu_partials),
-    then te_func::cast_from_partials. Against inductor's own chain (the kernels off) to FP8 noise:
+    then te_func::cast_from_partials. Past COMPILED_CAST_ROWS tokens only the GELU's output takes
+    that path (the GELU computed once); the norms' outputs keep inductor's amax chain.
+    Against inductor's own chain (the kernels off) to FP8 noise:
     the GELUs contract their multiply-adds differently (inductor's own and the kernel as inductor
     builds it), so a value may land one FP8 step away (the casts themselves:
     tests/test_kernels.py, bit for bit)."""
@@ -390,7 +394,8 @@ def test_a_compiled_frozen_decode_step_casts_its_inputs_in_two_passes(cuda, toke
         calls = {name: sum(t in (op, op.default) for t in ops)
                  for name, op in (("cast", torch.ops.te_func.cast_from_partials),
                                   ("gelu", torch.ops.te_func.gelu_partials))}
-        assert calls == {"cast": 4, "gelu": 2}      # two blocks: two casts and one GELU each
+        # two blocks: two casts and one GELU each (past COMPILED_CAST_ROWS tokens, the GELU's cast)
+        assert calls == ({"cast": 4, "gelu": 2} if tokens <= dispatch.COMPILED_CAST_ROWS else {"cast": 2, "gelu": 2})
         torch._dynamo.reset()
         got = torch.compile(frozen, fullgraph=True)(x)
         previous = te_func.kernels.set_cast_kernels(False)

@@ -213,6 +213,18 @@ def test_cast_from_partials_matches_the_torch_path(device, scheme, shape, dtype,
 
 
 @gpu
+@pytest.mark.parametrize("shape", SHAPES + [(200, 14336)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("scheme", CURRENT, ids=str)
+def test_cast_from_partials_in_large_tiles_has_the_same_bits(device, scheme, shape):
+    """A prefill-sized cast (large=True: larger tiles, typically one partial max, the GELU's)."""
+    s, x = SCHEMES[scheme], random_input(shape, torch.bfloat16, device)
+    for partials in (amax_of(x).reshape(1), _partials(x, shape[-1])):
+        got = torch.ops.te_func.cast_from_partials(x, partials, s.dtype, s.fp8_max, s.amax_epsilon, s.power_2_scale,
+                                                   True)
+        assert_same_bits(Quantized(got[0], got[1].reshape(())), _torch_cast(x, s))
+
+
+@gpu
 @pytest.mark.parametrize("special", list(SPECIALS), ids=str)
 @pytest.mark.parametrize("scheme", CURRENT, ids=str)
 def test_cast_from_partials_on_nan_inf_zeros_and_extremes(device, scheme, special):
@@ -308,7 +320,8 @@ GELU = activation_spec("gelu")
 @pytest.mark.parametrize("special", ["random", "nan"])
 def test_gelu_partials_is_the_gelu_kernel_with_each_tiles_max(device, special, shape, dtype):
     """te_func::gelu_partials: the GELU kernel's v (fc1's bias added on the way), and per tile of
-    its grid the max |v| (NaN skipped), which together are amax_of(v)."""
+    its grid the max |v| (NaN skipped), which together are amax_of(v); with large=True (a
+    prefill's x) the same v and one max, amax_of(v)."""
     from te_func.kernels import cast
     x = random_input(shape, dtype, device)
     if special == "nan":
@@ -319,6 +332,10 @@ def test_gelu_partials_is_the_gelu_kernel_with_each_tiles_max(device, special, s
     want = activation_forward(GELU, x + bias)
     assert torch.equal(v.isnan(), want.isnan())
     assert_same_activation((v.nan_to_num(),), (want.nan_to_num(),))
+    v_large, one_max = torch.ops.te_func.gelu_partials(x, bias, True)
+    assert_same_bits(v_large, v)
+    assert one_max.shape == (1,) and one_max.dtype == torch.float32
+    assert_same_bits(one_max.reshape(()), amax_of(v))
     tm, tn = cast.GELU_PARTIALS_TILE_M, cast.GELU_PARTIALS_TILE_N
     tiles = torch.nn.functional.pad(abs_skipping_nan(v), (0, -shape[1] % tn, 0, -shape[0] % tm))
     tiles = tiles.reshape(tiles.shape[0] // tm, tm, tiles.shape[1] // tn, tn).amax(dim=(1, 3)).reshape(-1)

@@ -275,6 +275,13 @@ def activation(x2d: torch.Tensor, y2d: torch.Tensor | None, act: str, column_sum
 # Tiles of 1024 elements, 8 per thread: at a decode step's sizes, as many programs as SMs or more.
 PARTIALS_TILE_M, PARTIALS_TILE_N, PARTIALS_BLOCK = 16, 64, 1024
 GELU_PARTIALS_TILE_M, GELU_PARTIALS_TILE_N = 16, 64
+# A large x (`large=True`, a prefill's): the GELU kernel takes one max for all of v by an atomic,
+# and the cast reads that one partial. Inductor's chain would compute the GELU twice, once for
+# its amax and once in the cast, and the tanh sets the pace of each pass that computes it:
+# at (8192, 14336) bf16 on an H200, 428 us for inductor's two passes against 194 + 100 us for
+# these kernels at the tiles below, the best of those tried (benchmarks/probe_large_cast.py).
+LARGE_GELU_TILE_M, LARGE_GELU_TILE_N = 32, 64
+LARGE_CAST_TILE_M, LARGE_CAST_TILE_N = 32, 128
 
 
 @triton.jit
@@ -304,19 +311,22 @@ def _partials_cast_kernel(x_ptr, out_ptr, scale_inv_ptr, partials_ptr, n_partial
 
 @torch.library.triton_op("te_func::cast_from_partials", mutates_args=())
 def cast_from_partials(x2d: torch.Tensor, partials: torch.Tensor, dtype: torch.dtype, fp8_max: float,
-                       amax_epsilon: float, power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       amax_epsilon: float, power_2_scale: bool,
+                       large: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Current scaling's tensor-wise cast of a contiguous (M, N) x whose amax is the max of
-    `partials` (P,) fp32: (data (M, N) `dtype`, scale_inv (1,) fp32). A Triton op: inductor and
-    AOTInductor compile the kernel into the graph that calls it."""
+    `partials` (P,) fp32: (data (M, N) `dtype`, scale_inv (1,) fp32). `large`: x is a prefill's,
+    cast in larger tiles (the same bits). A Triton op: inductor and AOTInductor compile the
+    kernel into the graph that calls it."""
     m, n = x2d.shape
     data = torch.empty((m, n), dtype=dtype, device=x2d.device)
     # (1,), not (): inductor copied a 0-d output of the kernel into a new buffer, one launch more.
     scale_inv = torch.empty((1,), dtype=torch.float32, device=x2d.device)
     fp8, mantissa, bias = _FP8[dtype]
-    grid = (triton.cdiv(m, PARTIALS_TILE_M), triton.cdiv(n, PARTIALS_TILE_N))
+    tile_m, tile_n = (LARGE_CAST_TILE_M, LARGE_CAST_TILE_N) if large else (PARTIALS_TILE_M, PARTIALS_TILE_N)
+    grid = (triton.cdiv(m, tile_m), triton.cdiv(n, tile_n))
     torch.library.wrap_triton(_partials_cast_kernel)[grid](
         x2d, data, scale_inv, partials, partials.numel(), m, n, fp8_max, amax_epsilon, FP8=fp8, POW2=power_2_scale,
-        SOFT_ROUND=SOFT_ROUND, MANTISSA=mantissa, BIAS=bias, BLOCK_M=PARTIALS_TILE_M, BLOCK_N=PARTIALS_TILE_N,
+        SOFT_ROUND=SOFT_ROUND, MANTISSA=mantissa, BIAS=bias, BLOCK_M=tile_m, BLOCK_N=tile_n,
         BLOCK_P=PARTIALS_BLOCK, num_warps=4)
     return data, scale_inv
 
@@ -332,23 +342,29 @@ cast_from_partials.register_vmap(lambda info, in_dims, *args: _per_sample(cast_f
 
 
 @torch.library.triton_op("te_func::gelu_partials", mutates_args=())
-def gelu_partials(x2d: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def gelu_partials(x2d: torch.Tensor, bias: torch.Tensor | None,
+                  large: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`activation`'s GELU of a contiguous (M, N) x (plus `bias`), for a compiled graph: (v (M, N) in
     x's dtype; the max |v| of each of its tiles (P,) fp32, NaN skipped, what `cast_from_partials`
-    reads). Called eagerly, v has the bits of `activation`'s; in a graph inductor compiles, the
-    kernel is built with inductor's options, which contract multiply-adds as inductor's own
-    GELU does (it passes no `enable_fp_fusion` to a user kernel), so v agrees to fp32 rounding."""
+    reads; with `large`, one max, of all of v (1,)). Called eagerly, v has the bits of `activation`'s;
+    in a graph inductor compiles, the kernel is built with inductor's options, which contract
+    multiply-adds as inductor's own GELU does (it passes no `enable_fp_fusion` to a user kernel),
+    so v agrees to fp32 rounding."""
     m, n = x2d.shape
     v = torch.empty_like(x2d)
-    grid = (triton.cdiv(m, GELU_PARTIALS_TILE_M), triton.cdiv(n, GELU_PARTIALS_TILE_N))
-    partials = torch.empty((grid[0] * grid[1],), dtype=torch.float32, device=x2d.device)
+    tile_m, tile_n = (LARGE_GELU_TILE_M, LARGE_GELU_TILE_N) if large else (GELU_PARTIALS_TILE_M, GELU_PARTIALS_TILE_N)
+    grid = (triton.cdiv(m, tile_m), triton.cdiv(n, tile_n))
+    # Large: the tiles' maxes go into one word by an atomic max on its bits (fp32 >= 0 orders as
+    # int32), which must start at 0.
+    partials = torch.zeros((1,), dtype=torch.int32, device=x2d.device) if large else \
+        torch.empty((grid[0] * grid[1],), dtype=torch.float32, device=x2d.device)
     # The unused pointers (y, the column sums; the bias without one) get x, which the kernel only reads: a
     # compiled graph must not see the written `partials` passed twice, as two tensors it could copy apart.
     torch.library.wrap_triton(_activation_kernel)[grid](
         x2d, x2d, x2d if bias is None else bias, v, partials, x2d, m, n, ACT=ACT_GELU.value,
-        HAS_BIAS=bias is not None, COLSUM=False, BLOCK_M=GELU_PARTIALS_TILE_M, BLOCK_N=GELU_PARTIALS_TILE_N,
-        PARTIALS=True, num_warps=4, enable_fp_fusion=False)      # (honored eagerly)
-    return v, partials
+        HAS_BIAS=bias is not None, COLSUM=False, BLOCK_M=tile_m, BLOCK_N=tile_n,
+        PARTIALS=not large, num_warps=4, enable_fp_fusion=False)      # (honored eagerly)
+    return v, partials.view(torch.float32) if large else partials
 
 
 gelu_partials.register_vmap(lambda info, in_dims, *args: _per_sample(gelu_partials, info, in_dims, *args))

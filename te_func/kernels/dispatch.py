@@ -16,7 +16,8 @@ from inside the te_func::weight_only_mm op that the compiled graph calls.
 `partial_rows`, `gelu_partials` and `cast_from_partials` also run under torch.compile, as ops of
 the graph: current scaling's cast of a small tensor (a decode step's), its amax from the
 partial maxes that the pass making the tensor takes (inductor's own pass, or the GELU kernel's),
-in one kernel.
+in one kernel; and, at any size, the cast of a GELU's output when nothing saves it for a
+backward (a frozen model's fc2 input), so that the GELU is computed once.
 
 `delayed_update` and `delayed_record` do DelayedScaling's per-role bookkeeping (the
 new scale and the rolled history; a cast's amax into the current slot) in one launch
@@ -192,8 +193,9 @@ def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_ep
 
 # The compiled casts take the two-launch path for tensors of at most COMPILED_CAST_ROWS rows (the
 # product of the leading dims: a decode step's tokens); past that, inductor's own amax chain,
-# whose launches no longer set the pace. One threshold for every tensor of a call, so that a
-# dynamic token count splits into two graphs at most. The partial maxes are each over a chunk of
+# whose launches no longer set the pace (except a GELU's output: `gelu_partials`). One threshold
+# for every tensor of a call, so that a dynamic token count splits into two graphs at most.
+# The partial maxes are each over a chunk of
 # a row of at most PARTIAL_ROW elements (a norm's row at the usual widths, which inductor then
 # takes in the norm's own pass; a wider row in the fewest equal chunks), at most MAX_PARTIALS of
 # them, which every program of the cast reads: a width that would need more keeps inductor's chain.
@@ -250,20 +252,26 @@ def cast_from_partials(x2d: torch.Tensor, partials: torch.Tensor, dtype: torch.d
     as `partial_rows` or `gelu_partials` make them): (data, scale_inv ()), the torch path's bits,
     by the op te_func::cast_from_partials."""
     data, scale_inv = torch.ops.te_func.cast_from_partials(x2d, partials, dtype, fp8_max, amax_epsilon,
-                                                           power_2_scale)
+                                                           power_2_scale, not _few_rows(x2d))
     return data, scale_inv.reshape(())
 
 
 def gelu_partials(x: torch.Tensor, bias: torch.Tensor | None):
-    """Under torch.compile: `activation`'s GELU of a small 2-D x (plus bias) by the op
-    te_func::gelu_partials, (v, the max |v| of each of its tiles (P,) fp32) for
-    `cast_from_partials`; None where it does not apply (eagerly `activation` does)."""
+    """Under torch.compile: `activation`'s GELU of a 2-D x (plus bias) by the op
+    te_func::gelu_partials, (v, partial maxes of |v| (P,) fp32) for `cast_from_partials`: for a
+    decode-sized x the max of each of its tiles, for more than COMPILED_CAST_ROWS rows one max of
+    all of v, so that the GELU is computed once, not once for the amax and again in the cast.
+    None where it does not apply (eagerly `activation` does)."""
     if not _compiled_op_applies(x) or x.dim() != 2 or (bias is not None and (
             bias.shape != x.shape[-1:] or bias.dtype != x.dtype)):
         return None
     (tile_m, tile_n), n = _gelu_tile(), x.shape[-1]
+    if not isinstance(n, int) or n == 0:
+        return None
+    if not _few_rows(x):
+        return None if x.numel() == 0 else torch.ops.te_func.gelu_partials(x.contiguous(), bias, True)
     # one partial max per tile: at most MAX_PARTIALS for COMPILED_CAST_ROWS rows of this width
-    if not isinstance(n, int) or -(-COMPILED_CAST_ROWS // tile_m) * -(-n // tile_n) > MAX_PARTIALS or not _few_rows(x):
+    if -(-COMPILED_CAST_ROWS // tile_m) * -(-n // tile_n) > MAX_PARTIALS:
         return None
     return torch.ops.te_func.gelu_partials(x.contiguous(), bias)
 
