@@ -8,8 +8,9 @@ pass that computes the GELU again and casts it: the tanh, which sets the pace of
 computes it, runs twice. Compared at (tokens, 14336) bf16, `do_bench` medians:
   inductor      te_func's torch code compiled (te_func.kernels off);
   given scale   the same GELU and cast with a scale given (DelayedScaling's one pass, the floor);
-  kernels       te_func.kernels' GELU writing v with its tiles' maxes, their max, and the cast
-                reading v (`cast_from_partials`'s kernel with one partial), for several tiles.
+  kernels       te_func.kernels' GELU writing v with its tiles' maxes (or one max, by an atomic
+                max per tile), their max, and the cast reading v (`cast_from_partials`'s kernel
+                with one partial), for several tiles.
 The kernels' bits are checked against the torch path.
 """
 from __future__ import annotations
@@ -33,19 +34,21 @@ from te_func.quant.tensor import cast_with_scale  # noqa: E402
 from te_func.recipe import Float8CurrentScaling  # noqa: E402
 
 FFN = 14336
-GELU_TILES = [(16, 64, 4), (32, 128, 4), (32, 64, 4), (64, 64, 8)]
+GELU_TILES = [(16, 64, 4), (32, 128, 4), (32, 64, 4), (64, 64, 8), (64, 128, 8), (32, 64, 2)]
 CAST_TILES = [(16, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8)]
 
 
-def gelu_tiles(h, b, tile_m, tile_n, warps):
+def gelu_tiles(h, b, tile_m, tile_n, warps, atomic=False):
+    """The GELU kernel: each tile's max into its own slot, or (atomic) into one word by atomic max."""
     m, n = h.shape
     v = torch.empty_like(h)
     grid = (triton.cdiv(m, tile_m), triton.cdiv(n, tile_n))
-    partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=h.device)
+    partials = torch.zeros(1, dtype=torch.int32, device=h.device) if atomic else \
+        torch.empty(grid[0] * grid[1], dtype=torch.float32, device=h.device)
     K._activation_kernel[grid](h, h, b, v, partials, h, m, n, ACT=K.ACT_GELU.value, HAS_BIAS=True, COLSUM=False,
-                               BLOCK_M=tile_m, BLOCK_N=tile_n, PARTIALS=True, num_warps=warps,
+                               BLOCK_M=tile_m, BLOCK_N=tile_n, PARTIALS=not atomic, num_warps=warps,
                                enable_fp_fusion=False)
-    return v, partials
+    return v, partials.view(torch.float32) if atomic else partials
 
 
 def cast_tiles(v, amax, s, tile_m, tile_n, warps):
@@ -90,6 +93,8 @@ def main(argv=None):
             v, partials = gelu_tiles(h, b, *gt)
             bench(f"gelu kernel {gt}", lambda: gelu_tiles(h, b, *gt))
             bench(f"  partials ({partials.numel()}) max", lambda: partials.amax(0, keepdim=True))
+            bench(f"gelu kernel {gt}, one atomic max", lambda: gelu_tiles(h, b, *gt, atomic=True))
+            assert torch.equal(gelu_tiles(h, b, *gt, atomic=True)[1], partials.amax(0, keepdim=True))
         amax = partials.amax(0, keepdim=True)
         kernels.set_cast_kernels(False)
         want = quantize_scheme(v, s)[0]         # the torch path's cast of the kernel's v
