@@ -409,6 +409,23 @@ def test_a_compiled_frozen_decode_step_casts_its_inputs_in_two_passes(cuda, toke
     assert sqnr(want.double(), got.double()) > 20
 
 
+def test_a_compiled_frozen_block_serves_every_token_count_without_a_compile_per_size(cuda):
+    """Current scaling on the GPU, where the compiled casts split at COMPILED_CAST_ROWS tokens
+    (te_func's ops on both sides: every decode-sized cast, past it the GELU's output): token
+    counts on both sides take at most three compilations (the first size static, then a dynamic
+    graph each side of the split), not one per size, and every call follows the eager frozen model
+    to FP8 noise (inductor's norms sum in another order)."""
+    _, _, frozen = _frozen_block(cuda, Float8CurrentScaling())
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(frozen, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        for tokens in (3, 16, 40, 100, 300, 1000, 7):
+            x = torch.randn(tokens, 256, device=cuda, dtype=torch.bfloat16)
+            assert sqnr(frozen(x).double(), compiled(x).double()) > 20, tokens
+    assert counter.frame_count <= 3
+
+
 def test_a_frozen_hf_llama_decodes_compiled_with_the_two_pass_casts(cuda):
     """The converted HF Llama, frozen under current scaling and compiled: a decode-sized call casts
     its GEMM inputs through te_func::cast_from_partials (the RMSNorms' and projections' inputs;
