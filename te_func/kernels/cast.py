@@ -278,7 +278,7 @@ GELU_PARTIALS_TILE_M, GELU_PARTIALS_TILE_N = 16, 64
 # A large x (`large=True`, a prefill's): the GELU kernel takes one max for all of v by an atomic,
 # and the cast reads that one partial. Inductor's chain would compute the GELU twice, once for
 # its amax and once in the cast, and the tanh sets the pace of each pass that computes it:
-# at (8192, 14336) bf16 on an H200, 428 us for inductor's two passes against 194 + 100 us for
+# at (8192, 14336) bf16 on an H200, 428 us for inductor's two passes against 207 + 99 us for
 # these kernels at the tiles below, the best of those tried (benchmarks/probe_large_cast.py).
 LARGE_GELU_TILE_M, LARGE_GELU_TILE_N = 32, 64
 LARGE_CAST_TILE_M, LARGE_CAST_TILE_N = 32, 128

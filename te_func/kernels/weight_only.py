@@ -48,7 +48,8 @@ def _configs():
 @triton.autotune(configs=_configs(), key=["T_BUCKET", "N", "K", "K_PER_SPLIT"])
 @triton.jit
 def _weight_only_kernel(x_ptr, w_ptr, scale_inv_ptr, bias_ptr, out_ptr, M, N, K, K_PER_SPLIT, T_BUCKET,
-                        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     pid_n, pid_k, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)          # of w, = columns of out
     tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)        # rows of x and of out

@@ -216,8 +216,8 @@ def _compiled_cast(x: torch.Tensor, s: Scheme, amax: torch.Tensor | None) -> Qua
     pieces, then one kernel that reduces them and casts (te_func.kernels.cast_from_partials).
     The partial maxes are `amax` where x's producer took them (te_func.kernels.gelu_partials, at
     any size), else, for a small x, those of its row chunks (te_func.kernels.partial_rows), which
-    inductor takes in the pass that makes x. The same bits as `cast_with_scale` with the scale of `amax_of(x)` (a max
-    is exact in any order)."""
+    inductor takes in the pass that makes x. The same bits as `cast_with_scale` with the scale of
+    `amax_of(x)` (a max is exact in any order)."""
     if amax is not None and amax.dim() == 1:
         partials = amax
     else:
