@@ -138,6 +138,17 @@ def _nvfp4_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.
     return _rounded(acc * alpha, bias, out_dtype)
 
 
+def _bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype) -> torch.Tensor | None:
+    # One bias per output column, in the output's dtype: anything else would broadcast in the
+    # emulation and fail in cuBLAS's epilogue.
+    if bias is None:
+        return None
+    if bias.shape != (n,):
+        raise ValueError(f"a GEMM's bias has one value per output column: expected shape ({n},), "
+                         f"got {tuple(bias.shape)}")
+    return bias.to(dtype)
+
+
 def _rounded(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     # The epilogue of every path: the fp32 result plus the bias, rounded once.
     return (acc if bias is None else acc + bias.float()).to(out_dtype)
@@ -160,8 +171,7 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool
     """
     if a.data.shape[-1] != b.data.shape[-1]:
         raise ValueError(f"GEMM reduction dims differ: a {tuple(a.data.shape)}, b {tuple(b.data.shape)}")
-    if bias is not None:
-        bias = bias.to(out_dtype)
+    bias = _bias(bias, b.data.shape[0], out_dtype)
     if a.nvfp4 or b.nvfp4:
         return _nvfp4_gemm(a, b, out_dtype, bias)
     if _use_scaled_mm(a, b):
@@ -200,8 +210,7 @@ def weight_only_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None = 
       dtype (exact for MXFP8's power-of-2 scales) and the GEMM runs in that dtype
       (`F.linear`: on a GPU cuBLAS adds the bias in its epilogue).
     """
-    if bias is not None:
-        bias = bias.to(x.dtype)
+    bias = _bias(bias, w.data.shape[0], x.dtype)
     if w.block is None and not w.nvfp4:
         if x.shape[-1] != w.data.shape[-1]:
             raise ValueError(f"GEMM reduction dims differ: x {tuple(x.shape)}, w {tuple(w.data.shape)}")

@@ -454,6 +454,8 @@ def test_weight_only_gemm_under_vmap_is_the_gemm_of_the_stacked_tokens():
     # The bias goes in before the one rounding, as te_func.gemm.gemm adds it.
     assert torch.equal(weight_only_gemm(xs[0], w, bias),
                        ((xs[0].float() @ w.data.float().t()) * w.scale_inv + bias.float()).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"one value per output column: expected shape \(32,\)"):
+        weight_only_gemm(xs[0], w, bias[:1])
 
 
 # --- bad input ------------------------------------------------------------------------------------------

@@ -46,6 +46,9 @@ def test_the_bias_is_added_to_the_fp32_product_before_its_one_rounding(recipe):
     assert torch.equal(got, (gemm(aq, bq, torch.float32) + bias.float()).to(torch.bfloat16))
     assert not torch.equal(got, gemm(aq, bq, torch.bfloat16) + bias)     # two roundings differ somewhere
     assert torch.equal(gemm(aq, bq, torch.float32, bias=bias), gemm(aq, bq, torch.float32) + bias.float())
+    for wrong in (bias[:1], bias[:95], torch.randn(64, 96)):     # would broadcast in the emulation
+        with pytest.raises(ValueError, match=r"one value per output column: expected shape \(96,\)"):
+            gemm(aq, bq, torch.bfloat16, bias=wrong)
 
 
 @pytest.mark.parametrize("bias", [None, "shared", "per-sample"])

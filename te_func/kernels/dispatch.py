@@ -265,12 +265,13 @@ def gelu_partials(x: torch.Tensor, bias: torch.Tensor | None):
     if not _compiled_op_applies(x) or x.dim() != 2 or (bias is not None and (
             bias.shape != x.shape[-1:] or bias.dtype != x.dtype)):
         return None
-    (tile_m, tile_n), n = _gelu_tile(), x.shape[-1]
+    n = x.shape[-1]
     if not isinstance(n, int) or n == 0:
         return None
     if not _few_rows(x):
         return None if x.numel() == 0 else torch.ops.te_func.gelu_partials(x.contiguous(), bias, True)
     # one partial max per tile: at most MAX_PARTIALS for COMPILED_CAST_ROWS rows of this width
+    tile_m, tile_n = _gelu_tile()
     if -(-COMPILED_CAST_ROWS // tile_m) * -(-n // tile_n) > MAX_PARTIALS:
         return None
     return torch.ops.te_func.gelu_partials(x.contiguous(), bias)
