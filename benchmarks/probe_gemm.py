@@ -8,7 +8,8 @@ GEMM rates at 8192^3, whether torch's scaled GEMM takes Float8BlockScaling's
 emulation), the time of te_func's compiled current-scaling cast of a
 (16384, 4096) activation against its byte floor, and decode-sized (1-64 token) FP8
 and bf16 GEMMs replayed from CUDA graphs, and what a decode-sized FP8 GEMM's output dtype and bias
-epilogue cost (`--parts decode_epilogues`, not run by default). `--parts` picks some. Writes probe.json.
+epilogue cost (`--parts decode_epilogues`), and the same GEMMs with the weight as the first
+operand (`--parts decode_swap`), neither run by default. `--parts` picks some. Writes probe.json.
 """
 from __future__ import annotations
 
@@ -170,13 +171,36 @@ def decode_epilogues(res):
             res[f"{key}_fp32_route_same_bits"] = torch.equal(variants["fp32_then_bf16"](), variants["bf16"]())
 
 
+def decode_swap(res):
+    """Decode-sized FP8 x FP8 GEMMs both ways round, replayed from CUDA graphs: tokens first
+    (out = x w^T, as te_func calls `_scaled_mm`) and weight first (out^T = w x^T, the weight's rows
+    as the GEMM's long side), fast accumulation; the kernels each launches, and whether the two give
+    the same bits."""
+    one = torch.ones((), device="cuda")
+    for n, k in ((14336, 4096), (4096, 14336)):
+        w8 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        for m in (16, 32, 48, 64, 128):
+            x8 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+            key = f"swap_m{m}_n{n}_k{k}"
+            variants = {
+                "tokens_first": lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                                         use_fast_accum=True),
+                "weight_first": lambda: torch._scaled_mm(w8, x8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                                         use_fast_accum=True)}
+            for name, fn in variants.items():
+                res[f"{key}_{name}_us"] = round(graph_us(fn), 2)
+                res[f"{key}_{name}_kernels"] = kernel_names(fn)
+            res[f"{key}_same_bits"] = torch.equal(variants["weight_first"]().t(), variants["tokens_first"]())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--parts", default="ceilings,blockwise,quantize_cost,decode_gemms")
     args = ap.parse_args()
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    parts = {f.__name__: f for f in (ceilings, blockwise, quantize_cost, decode_gemms, decode_epilogues)}
+    parts = {f.__name__: f for f in (ceilings, blockwise, quantize_cost, decode_gemms, decode_epilogues,
+                                                 decode_swap)}
     for part in (parts[name] for name in args.parts.split(",")):
         try:
             part(res)

@@ -426,16 +426,22 @@ def test_a_compiled_frozen_block_serves_every_token_count_without_a_compile_per_
     assert counter.frame_count <= 3
 
 
-def test_a_frozen_hf_llama_decodes_compiled_with_the_two_pass_casts(cuda):
-    """The converted HF Llama, frozen under current scaling and compiled: a decode-sized call casts
-    its GEMM inputs through te_func::cast_from_partials (the RMSNorms' and projections' inputs;
-    SwiGLU is no GELU), and its logits follow the eager frozen model to FP8 noise."""
-    from cases import tiny_llama
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("shape", [(1, 5), (4, 40)])
+def test_a_frozen_hf_model_runs_compiled_at_decode_and_prefill_sizes(cuda, name, shape):
+    """A converted HF Llama (SwiGLU) and GPT-2 (tanh GELU, Conv1D projections), frozen under current
+    scaling and compiled: a decode-sized call (5 tokens) casts its GEMM inputs through
+    te_func::cast_from_partials; past COMPILED_CAST_ROWS tokens (160) inductor's own amax chain
+    casts them (the converted models' activations are transformers' own code, not te_func's GELU,
+    so no gelu_partials). Logits follow the eager frozen model to FP8 noise either way."""
+    from cases import tiny_gpt2, tiny_llama
+    from te_func.kernels import dispatch
     pytest.importorskip("transformers")
     recipe = Float8CurrentScaling()
-    model = tef.convert(tiny_llama(dtype=torch.bfloat16, layers=2)).eval().to(cuda)
+    make = {"llama": tiny_llama, "gpt2": tiny_gpt2}[name]
+    model = tef.convert(make(dtype=torch.bfloat16, layers=2)).eval().to(cuda)
     frozen = tef.freeze(model, recipe)
-    ids = torch.randint(0, 128, (1, 5), device=cuda)
+    ids = torch.randint(0, 128, shape, device=cuda)
     graphs = []
 
     def recording(gm, example_inputs):
@@ -445,10 +451,14 @@ def test_a_frozen_hf_llama_decodes_compiled_with_the_two_pass_casts(cuda):
         want = frozen(ids).logits
         torch._dynamo.reset()
         torch.compile(frozen, fullgraph=True, backend=recording)(ids)
-        op = torch.ops.te_func.cast_from_partials
-        assert sum(n.target in (op, op.default) for n in graphs[-1].graph.nodes) > 0
+        targets = [n.target for n in graphs[-1].graph.nodes]
+        casts = sum(t in (torch.ops.te_func.cast_from_partials, torch.ops.te_func.cast_from_partials.default)
+                    for t in targets)
+        assert (casts > 0) == (shape[0] * shape[1] <= dispatch.COMPILED_CAST_ROWS), casts
+        assert not any("gelu_partials" in str(t) for t in targets)
         torch._dynamo.reset()
         got = torch.compile(frozen, fullgraph=True)(ids).logits
+    assert torch.isfinite(got).all()
     assert sqnr(want.double(), got.double()) > 20
 
 

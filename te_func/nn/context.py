@@ -236,7 +236,10 @@ def _remember(module, frame: Frame, entries: dict, prefix: str):
 
 
 def _replay(module) -> Binding | None:
-    if torch._C._current_graph_task_id() == -1:     # not inside a backward
+    # Traced, a checkpoint's recompute is part of the graph and nothing was remembered (`_remember`);
+    # torch 2.11's dynamo cannot trace the task id either (a module outside any frame, such as a
+    # frozen model's norm, would break the graph).
+    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:    # or not in a backward
         return None
     with _last_calls_lock:
         last = _last_calls.get(module)
