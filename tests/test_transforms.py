@@ -612,3 +612,47 @@ def test_frozen_weight_only_model_is_the_model_with_its_fp8_weights_decoded(case
         want = case.output(decoded(*double(s.inputs), **s.kwargs))
     # fp32 roundings only (>= 130 dB measured on CPU); an FP8 cast of the input would give ~30.
     assert sqnr(want, got.double()) > 100, sqnr(want, got.double())
+
+
+# --- torch 2.11: te_func's vmap rule for the bit views ----------------------------------------------
+
+_FORCED_RULE = r"""
+import sys
+import pytest
+import torch
+from te_func.quant import _vmap_bitcast, e8m0_scale_inv, e8m0_to_float, round_down_pow2
+calls, inner = [], _vmap_bitcast._view_dtype
+_vmap_bitcast._view_dtype = lambda *a: calls.append(1) or inner(*a)
+assert _vmap_bitcast.ensure_view_dtype_batching(force=True)
+x = torch.randn(3, 4, 5).abs() * 100
+for dim in (0, 1, 2):
+    for f in (round_down_pow2, lambda t: e8m0_to_float(e8m0_scale_inv(t, 448.0))):
+        want = torch.stack([f(s) for s in x.unbind(dim)], dim)
+        assert torch.equal(torch.vmap(f, in_dims=dim, out_dims=dim)(x), want), dim
+with pytest.raises(RuntimeError, match="one element size"):
+    torch.vmap(lambda t: t.view(torch.int16))(x)
+rc = pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning", *sys.argv[1:]])
+assert calls, "the rule never ran"
+sys.exit(rc)
+"""
+
+
+def test_vmap_takes_the_bit_views_by_te_funcs_rule_where_torch_has_none():
+    """torch 2.11 (the GPU machine's) has no vmap rule for Tensor.view(dtype), which MXFP8's E8M0
+    scales and Float8BlockScaling's power-of-2 scales read the fp32 bits with; te_func registers
+    one there (te_func.quant._vmap_bitcast). This torch has its own, so a process of its own forces
+    te_func's in its place: the bit functions batched in every dim equal a loop, and per-sample
+    gradients, an ensemble and a compiled chunked per-sample gradient under both recipes pass."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    ids = [f"tests/test_transforms.py::{name}" for name in (
+        "test_vmap_per_sample_grads[Linear-mxfp8]", "test_vmap_per_sample_grads[Linear-block]",
+        "test_vmap_ensemble_of_stacked_models[LayerNormMLP-gelu-mxfp8]",
+        "test_batch_scope_per_sample_grads_add_up_to_the_batch_gradient[LayerNormLinear-block]",
+        "test_per_sample_grad_compiles_chunked[mxfp8]")]
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", _FORCED_RULE, *ids], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    report = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "5 passed" in done.stdout, report

@@ -11,6 +11,9 @@ import torch
 
 from ..recipe import (ROLES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                       MXFP8BlockScaling, NVFP4BlockScaling)
+from ._vmap_bitcast import ensure_view_dtype_batching
+
+ensure_view_dtype_batching()    # the bit views below under vmap on torch 2.11
 
 __all__ = ["Scheme", "scheme_for", "scale_from_amax", "e8m0_scale_inv", "e8m0_to_float", "round_down_pow2"]
 
