@@ -45,8 +45,9 @@ def checkpoint(function, *args, **kwargs):
     """`function(*args, **kwargs)` with its activations recomputed in backward (module docstring).
 
     function: an nn.Module, a bound method of one (`layer.forward`), or a functools.partial of
-    a function whose first argument is the module (what HuggingFace's gradient checkpointing
-    passes: `partial(forward, layer, **kwargs)`); the module's parameters are the ones it uses.
+    a function whose first argument is the module or of a bound method (what HuggingFace's gradient
+    checkpointing passes: `partial(forward, layer, **kwargs)`, or in transformers 5.17
+    `partial(layer.__call__, **kwargs)`); the module's parameters are the ones it uses.
     Tensors in args, kwargs and the partial's arguments are inputs (differentiated where their
     gradient is wanted); other values are held constant. Gradients and workspaces are those of
     the un-checkpointed call.
@@ -89,11 +90,14 @@ def _callable(function):
         return function, function, {}
     if isinstance(function, functools.partial) and function.args and isinstance(function.args[0], nn.Module):
         return functools.partial(function.func, *function.args), function.args[0], dict(function.keywords)
+    if isinstance(function, functools.partial) and isinstance(getattr(function.func, "__self__", None), nn.Module):
+        # a partial of the module's bound call (transformers 5.17: partial(super().__call__, **kwargs))
+        return functools.partial(function.func, *function.args), function.func.__self__, dict(function.keywords)
     module = getattr(function, "__self__", None)
     if isinstance(module, nn.Module):
         return function, module, {}
     raise TypeError(f"tef.checkpoint: give the module to recompute (or a bound method of it, or a partial of "
-                    f"a function taking it first), not {type(function).__name__}: under torch.func every "
+                    f"one, or of a function taking it first), not {type(function).__name__}: under torch.func every "
                     f"tensor the gradient depends on must be an input, and a module's parameters are known")
 
 

@@ -3,6 +3,7 @@ torch.compile of them), on te_func's own layers and a converted HuggingFace Llam
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -34,7 +35,10 @@ class Net(torch.nn.Module):
 
     def forward(self, x):
         for b in self.blocks:
-            x = tef.checkpoint(b, x, scale=0.5) if self.checkpointed else b(x, scale=0.5)
+            if self.checkpointed == "partial":     # a partial of the block's bound call, keywords bound
+                x = tef.checkpoint(functools.partial(b.__call__, scale=0.5), x)
+            else:
+                x = tef.checkpoint(b, x, scale=0.5) if self.checkpointed else b(x, scale=0.5)
         return x
 
 
@@ -45,20 +49,20 @@ def loss_of(model, recipe):
     return loss_fn
 
 
-def pair():
+def pair(form=True):
     plain = Net()
     ckpt = copy.deepcopy(plain)
-    ckpt.checkpointed = True
+    ckpt.checkpointed = form
     return plain, ckpt
 
 
 @pytest.mark.parametrize("recipe", FP8)
-def test_checkpointed_grad_equals_the_plain_one_over_microbatches(recipe):
+def test_checkpointed_grad_equals_the_plain_one_over_microbatches(recipe, form=True):
     """Three calls (a step, a later microbatch, a new step) under tef.grad: gradients and
     workspaces bit for bit those of the un-checkpointed model (casts reused by the recompute,
     DelayedScaling's backward amax recorded once, NVFP4's stochastic rounding drawing the same
     numbers), and each block ran twice per call (forward, recompute)."""
-    plain, ckpt = pair()
+    plain, ckpt = pair(form)
     xs = [torch.randn(4, 8, 32) for _ in range(3)]
     results = []
     for model in (plain, ckpt):
@@ -72,6 +76,13 @@ def test_checkpointed_grad_equals_the_plain_one_over_microbatches(recipe):
         assert g.keys() == cg.keys() and all(torch.equal(g[k], cg[k]) for k in g)
         assert w.keys() == cw.keys() and all(torch.equal(w[k], cw[k]) for k in w)
     assert [b.calls for b in plain.blocks] == [3, 3] and [b.calls for b in ckpt.blocks] == [6, 6]
+
+
+@pytest.mark.parametrize("recipe", [p for p in FP8 if p.id == "delayed"])
+def test_a_partial_of_the_blocks_bound_call_checkpoints_as_the_block(recipe):
+    """What transformers 5.17's checkpointing layers pass, partial(layer.__call__, **kwargs): the
+    same gradients and workspaces as the un-checkpointed model."""
+    test_checkpointed_grad_equals_the_plain_one_over_microbatches(recipe, form="partial")
 
 
 @pytest.mark.parametrize("recipe", FP8)
