@@ -642,17 +642,17 @@ def test_vmap_takes_the_bit_views_by_te_funcs_rule_where_torch_has_none():
     scales and Float8BlockScaling's power-of-2 scales read the fp32 bits with; te_func registers
     one there (te_func.quant._vmap_bitcast). This torch has its own, so a process of its own forces
     te_func's in its place: the bit functions batched in every dim equal a loop, and per-sample
-    gradients, an ensemble and a compiled chunked per-sample gradient under both recipes pass."""
+    gradients, a batch scope and an ensemble under both recipes pass (compiled, through the same
+    rule: run on torch 2.11 itself, as the README says)."""
     import subprocess
     import sys
     from pathlib import Path
     ids = [f"tests/test_transforms.py::{name}" for name in (
         "test_vmap_per_sample_grads[Linear-mxfp8]", "test_vmap_per_sample_grads[Linear-block]",
         "test_vmap_ensemble_of_stacked_models[LayerNormMLP-gelu-mxfp8]",
-        "test_batch_scope_per_sample_grads_add_up_to_the_batch_gradient[LayerNormLinear-block]",
-        "test_per_sample_grad_compiles_chunked[mxfp8]")]
+        "test_batch_scope_per_sample_grads_add_up_to_the_batch_gradient[LayerNormLinear-block]")]
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-c", _FORCED_RULE, *ids], cwd=root, capture_output=True, text=True,
                           timeout=600)
     report = done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.returncode == 0 and "5 passed" in done.stdout, report
+    assert done.returncode == 0 and "4 passed" in done.stdout, report
