@@ -195,10 +195,10 @@ def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_ep
 # product of the leading dims: a decode step's tokens); past that, inductor's own amax chain,
 # whose launches no longer set the pace (except a GELU's output: `gelu_partials`). One threshold
 # for every tensor of a call, so that a dynamic token count splits into two graphs at most.
-# The partial maxes are each over a chunk of
-# a row of at most PARTIAL_ROW elements (a norm's row at the usual widths, which inductor then
-# takes in the norm's own pass; a wider row in the fewest equal chunks), at most MAX_PARTIALS of
-# them, which every program of the cast reads: a width that would need more keeps inductor's chain.
+# The partial maxes are each over a chunk of a row of at most PARTIAL_ROW elements (a norm's row
+# at the usual widths, which inductor then takes in the norm's own pass; a wider row in the fewest
+# equal chunks), at most MAX_PARTIALS of them, which every program of the cast reads: a width
+# that would need more keeps inductor's chain.
 COMPILED_CAST_ROWS = 64
 PARTIAL_ROW, MIN_PARTIAL_ROW, MAX_PARTIALS = 4096, 256, 1024
 
