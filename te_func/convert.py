@@ -12,7 +12,10 @@ converted model computes what the original did, bit for bit.
 What te_func cannot run in FP8 is left as it is and reported through the
 `te_func.convert` logger (level INFO): GEMM dims that are not multiples of 16
 (TE refuses those too), parameters of other dtypes than float32 / bfloat16 /
-float16, subclasses of nn.Linear (which may rely on behaviour of their own).
+float16, subclasses of nn.Linear (which may rely on behaviour of their own),
+and the weights of 3-D and larger that a module multiplies by itself
+(transformers' mixture-of-experts layers keep every expert's weight in one such
+parameter): those GEMMs run in high precision.
 """
 from __future__ import annotations
 
@@ -81,8 +84,18 @@ def _norm(old: nn.Module) -> tuple[nn.Module | None, str | None]:
     return new, None
 
 
+def _batched_weights(module: nn.Module) -> str | None:
+    """Why a module with weights of 3-D or more, which it multiplies itself, stays; None if it has none."""
+    held = [f"{name} {tuple(p.shape)}" for name, p in module.named_parameters(recurse=False) if p.dim() >= 3]
+    if not held:
+        return None
+    return (f"{', '.join(held)}: weights of 3-D or more (batched experts, convolutions) are no Linear layer's; "
+            f"te_func converts nn.Linear and transformers' Conv1D, so these GEMMs run in high precision")
+
+
 def _replacement(module: nn.Module, conv1d) -> tuple[nn.Module | None, str | None] | None:
-    """(new layer or None, why not) for a convertible module, None for any other."""
+    """(new layer or None, why not) for a convertible module or one that holds GEMM weights te_func
+    cannot take; None for any other."""
     if isinstance(module, TEModule):
         return None
     if type(module) is nn.Linear:
@@ -93,7 +106,8 @@ def _replacement(module: nn.Module, conv1d) -> tuple[nn.Module | None, str | Non
         return _linear(module, transposed=True)
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return _norm(module)
-    return None
+    why = _batched_weights(module)
+    return None if why is None else (None, why)
 
 
 def convert(model: nn.Module, *, module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:

@@ -66,7 +66,7 @@ def _frozen(path: str, source: TEModule, skeleton: nn.Module, recipe, ws: dict |
             weight_only_tokens: int) -> FrozenLayer:
     """The frozen form of `source`, its non-GEMM parameters taken from `skeleton` (its copy)."""
     prefix = f"{path}." if path else ""
-    casts, scales = {}, {}
+    casts, scales, meta = {}, {}, {}
     for g in source.gemms():
         weight = source.gemm_weight(g.weight)
         _check_finite(path, g.weight, weight)
@@ -80,7 +80,9 @@ def _frozen(path: str, source: TEModule, skeleton: nn.Module, recipe, ws: dict |
                                     cast.columns)
         if step.state.input is not None:
             scales[g.weight] = _own(step.state.input.scale, device)
-    return FROZEN_LAYERS[type(source)](skeleton, recipe, casts, scales, weight_only_tokens)
+        param = source.get_parameter(g.weight)          # as the model holds it (Conv1D's: (in, out))
+        meta[g.weight] = (tuple(param.shape), param.dtype)
+    return FROZEN_LAYERS[type(source)](skeleton, recipe, casts, scales, weight_only_tokens, meta)
 
 
 def freeze(model: nn.Module, recipe, *, workspaces: dict | None = None, device=None,

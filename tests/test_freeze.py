@@ -80,6 +80,24 @@ def test_frozen_gemm_weights_take_half_of_bf16s_bytes(recipe):
         assert held == bf16 // 2 * (1 + 1 / 32)
 
 
+def test_a_frozen_layer_shows_its_weights_shape_and_dtype_and_holds_none_of_it():
+    """Model code reads a Linear's weight for its dtype (transformers' T5 casts the feed-forward's
+    input to `wo.weight.dtype`): a frozen layer answers with a tensor on meta, which holds nothing,
+    so any computation with it fails instead of reading a stale copy."""
+    model = make_model()
+    model[0].float()
+    frozen = tef.freeze(model, Float8CurrentScaling())
+    weight = frozen[0].weight
+    assert weight.device.type == "meta" and weight.shape == (128, 64) and weight.dtype == torch.float32
+    assert frozen[2].fc1_weight.shape == (512, 128) and frozen[2].fc2_weight.shape == (128, 256)
+    assert "0.weight" not in frozen.state_dict() and not any(n.endswith("weight") and "norm" not in n
+                                                             for n, _ in frozen.named_parameters())
+    with pytest.raises(NotImplementedError):
+        torch.randn(2, 64) @ frozen[0].weight.t().cpu()
+    with pytest.raises(KeyError, match="'weight' already exists"):        # no unused Parameter slips in
+        frozen[0].weight = torch.nn.Parameter(torch.randn(128, 64))
+
+
 def test_frozen_model_is_a_copy_and_leaves_the_model_alone():
     recipe = Float8CurrentScaling()
     model = make_model()
@@ -569,6 +587,37 @@ def test_frozen_hf_llama_generates_through_transformers_compiled_decode(recipe):
                               compile_config=config)
     assert torch.equal(got, want)
     assert len(graphs) == 1
+
+
+def tiny_t5(dtype):
+    from transformers import T5Config, T5ForConditionalGeneration
+    cfg = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_decoder_layers=1, num_heads=4,
+                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return T5ForConditionalGeneration(cfg).to(dtype)
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
+                         ids=["current", "delayed"])
+def test_a_frozen_hf_t5_casts_where_the_trained_one_did_and_generates(recipe):
+    """T5's feed-forward casts its input to `wo.weight.dtype` before `wo`, which `from_pretrained`
+    keeps in float32 in a bf16 model: the frozen model reads the trained weight's dtype and gives
+    the cached-weight forward's logits, bit for bit."""
+    model = tiny_t5(torch.bfloat16).eval()
+    for block in (*model.encoder.block, *model.decoder.block):
+        block.layer[-1].DenseReluDense.wo.float()
+    model = tef.convert(model)
+    params, ws = detached_params(model), tef.init_workspaces(model, recipe)
+    ids, decoder_ids = torch.randint(2, 128, (2, 12)), torch.randint(2, 128, (2, 6))
+    inputs = {"input_ids": ids, "decoder_input_ids": decoder_ids}
+    with torch.no_grad():
+        _, ws = tef.functional_call(model, params, ws, (), inputs, recipe=recipe, is_first_microbatch=True)
+        want = tef.functional_call(model, params, ws, (), inputs, recipe=recipe, is_first_microbatch=False)[0]
+        frozen = tef.freeze(model, recipe, workspaces=ws)
+        got = frozen(**inputs)
+        generated = frozen.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    assert frozen.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.float32
+    assert got.logits.dtype == want.logits.dtype and torch.equal(got.logits, want.logits)
+    assert generated.shape[0] == 1 and 2 <= generated.shape[1] <= 5
 
 
 def test_frozen_hf_llama_decodes_one_token_calls_weight_only():

@@ -82,6 +82,8 @@ def test_the_filter_and_what_cannot_run_in_fp8_stay_as_they_are(caplog):
             self.lm_head = torch.nn.Linear(64, 128)
             self.attn = torch.nn.MultiheadAttention(32, 2)            # its out_proj: an nn.Linear subclass
             self.norm = torch.nn.LayerNorm([4, 8])                    # two dims
+            self.experts = torch.nn.Module()                          # experts' weights in one parameter
+            self.experts.gate_up_proj = torch.nn.Parameter(torch.randn(4, 64, 32))
 
     model = Mixed()
     with caplog.at_level(logging.INFO, logger="te_func.convert"):
@@ -95,6 +97,8 @@ def test_the_filter_and_what_cannot_run_in_fp8_stay_as_they_are(caplog):
     assert "wide (Linear) stays as it is: weight dtype torch.float64" in text
     assert "attn.out_proj (NonDynamicallyQuantizableLinear) stays as it is: a subclass" in text
     assert "norm (LayerNorm) stays as it is: normalized_shape=(4, 8)" in text
+    assert "experts (Module) stays as it is: gate_up_proj (4, 64, 32): weights of 3-D or more" in text
+    assert "1 layers converted, 5 left as they are" in text
 
 
 def test_fp8_pays_keeps_the_layers_whose_gemms_are_large_enough():

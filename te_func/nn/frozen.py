@@ -82,7 +82,8 @@ class FrozenLayer(nn.Module):
     """
     features_attr = "in_features"      # the option that names the input's last dim
 
-    def __init__(self, source: nn.Module, recipe, casts: dict, input_scales: dict, weight_only_tokens: int = 0):
+    def __init__(self, source: nn.Module, recipe, casts: dict, input_scales: dict, weight_only_tokens: int = 0,
+                 weight_meta: dict | None = None):
         super().__init__()
         self.layer = f"frozen {type(source).__name__}"
         # The source's options (in_features, eps, activation, return_bias, ...), as plain attributes.
@@ -90,6 +91,9 @@ class FrozenLayer(nn.Module):
             if not k.startswith("_") and k != "training":
                 setattr(self, k, v)
         self.recipe, self.weight_only_tokens = recipe, weight_only_tokens
+        # GEMM weight name -> (shape, dtype) of the trained layer's parameter: what `layer.weight`
+        # shows model code that reads it (_gemm_weight below).
+        self._weight_meta = dict(weight_meta or {})
         self.gemm_specs = tuple(source.gemms())
         # What a call reads, as strings of this layer's own. The recipe and the GemmSpecs are objects
         # every layer shares, and torch.compile guards that a shared object it reads through two
@@ -228,6 +232,20 @@ class FrozenLayer(nn.Module):
         return f"recipe={self.recipe!r}, weight_only_tokens={self.weight_only_tokens}"
 
 
+def _gemm_weight(name: str) -> property:
+    """`layer.<name>` for a GEMM weight of a frozen layer: a tensor on `meta` with the trained
+    parameter's shape and dtype, holding nothing (the layer keeps only the FP8 cast, `<name>_cast`).
+    Model code reads a Linear's weight for its dtype: transformers' T5 casts the activation to
+    `self.wo.weight.dtype` before `wo` (kept in float32 in a bf16 model), and a frozen model
+    must do what the trained one did. Computing with it fails on its device."""
+    def get(self):
+        meta = (getattr(self, "_weight_meta", None) or {}).get(name)
+        if meta is None:
+            raise AttributeError(f"{type(self).__name__} keeps no {name!r}: only its FP8 cast, {name}_cast")
+        return torch.empty(meta[0], dtype=meta[1], device="meta")
+    return property(get, doc=f"A meta tensor with the shape and dtype of the trained layer's {name!r}.")
+
+
 def _after_load(layer: FrozenLayer, incompatible_keys):
     # A load_state_dict post-hook: the input scales may be new tensors (or, loaded with
     # assign=True into a skeleton on meta, the first real ones).
@@ -246,6 +264,8 @@ class FrozenLinear(FrozenLayer):
         out = out.reshape(*inp.shape[:-1], self.out_features)
         return (out, self.bias) if self.return_bias else out
 
+    weight = _gemm_weight("weight")
+
 
 class FrozenLayerNormLinear(FrozenLayer):
     """Frozen LayerNormLinear: returns what the source layer returns."""
@@ -260,6 +280,8 @@ class FrozenLayerNormLinear(FrozenLayer):
         out = res["out"].reshape(*inp.shape[:-1], self.out_features)
         ln_out = res["ln_out"].reshape(inp.shape) if self.return_layernorm_output else None
         return te_outputs(out, self.bias, ln_out, self.return_bias, self.return_layernorm_output)
+
+    weight = _gemm_weight("weight")
 
 
 class FrozenLayerNormMLP(FrozenLayer):
@@ -277,6 +299,9 @@ class FrozenLayerNormMLP(FrozenLayer):
         out = res["out"].reshape(inp.shape)
         ln_out = res["ln_out"].reshape(inp.shape) if self.return_layernorm_output else None
         return te_outputs(out, self.fc2_bias, ln_out, self.return_bias, self.return_layernorm_output)
+
+    fc1_weight = _gemm_weight("fc1_weight")
+    fc2_weight = _gemm_weight("fc2_weight")
 
 
 class FrozenGroupedLinear(FrozenLayer):
