@@ -119,6 +119,14 @@ def tiny_gpt2(dtype=torch.float32, layers=2):
     return GPT2LMHeadModel(cfg).to(dtype)
 
 
+def tiny_t5(dtype=torch.float32, layers=1):
+    """An encoder-decoder whose feed-forward reads `wo.weight.dtype` (tests/test_freeze.py)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    cfg = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=layers, num_heads=4,
+                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return T5ForConditionalGeneration(cfg).to(dtype)
+
+
 def _token_ids(batch, dtype):
     return (torch.randint(0, VOCAB, (batch, SEQ)),)
 

@@ -18,7 +18,7 @@ import torch._dynamo.testing
 from safetensors.torch import load_file, save_file
 
 import te_func as tef
-from cases import RECIPES, assert_dicts_equal, detached_params, is_fp4, needs_state, sqnr, tiny_llama
+from cases import RECIPES, assert_dicts_equal, detached_params, is_fp4, needs_state, sqnr, tiny_llama, tiny_t5
 from te_func.gemm import weight_only_gemm
 from te_func.quant import Quantized, dequantize, quantize
 from te_func.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
@@ -587,13 +587,6 @@ def test_frozen_hf_llama_generates_through_transformers_compiled_decode(recipe):
                               compile_config=config)
     assert torch.equal(got, want)
     assert len(graphs) == 1
-
-
-def tiny_t5(dtype):
-    from transformers import T5Config, T5ForConditionalGeneration
-    cfg = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_decoder_layers=1, num_heads=4,
-                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-    return T5ForConditionalGeneration(cfg).to(dtype)
 
 
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],

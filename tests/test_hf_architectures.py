@@ -15,11 +15,12 @@ import pytest
 import torch
 
 import te_func as tef
+from cases import VOCAB, tiny_t5
 from te_func.recipe import DelayedScaling, Float8CurrentScaling
 
 T = pytest.importorskip("transformers")
 
-VOCAB, H, NH, NKV, FF = 128, 64, 4, 2, 128
+H, NH, NKV, FF = 64, 4, 2, 128
 _DECODER = dict(vocab_size=VOCAB, hidden_size=H, num_hidden_layers=1, num_attention_heads=NH,
                 num_key_value_heads=NKV, intermediate_size=FF, max_position_embeddings=64)
 _TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -54,10 +55,7 @@ ARCHS = {
     "gptj": lambda: T.GPTJForCausalLM(T.GPTJConfig(vocab_size=VOCAB, n_embd=H, n_layer=1, n_head=NH, n_inner=FF,
                                                    rotary_dim=8, n_positions=64, embd_pdrop=0.0, attn_pdrop=0.0,
                                                    resid_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
-    "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(vocab_size=VOCAB, d_model=H, d_kv=H // NH, d_ff=FF,
-                                                          num_layers=1, num_heads=NH, dropout_rate=0.0,
-                                                          decoder_start_token_id=0, pad_token_id=0,
-                                                          eos_token_id=1)),
+    "t5": tiny_t5,
     "bert": lambda: T.BertForMaskedLM(T.BertConfig(vocab_size=VOCAB, hidden_size=H, num_hidden_layers=1,
                                                    num_attention_heads=NH, intermediate_size=FF,
                                                    max_position_embeddings=64, hidden_dropout_prob=0.0,
