@@ -32,6 +32,7 @@ from .convert import convert, fp8_pays
 from .frame import (autocast, functional_call, grad, init_workspaces, upgrade_workspaces, validate_workspaces,
                     value_and_grad, workspace_spec)
 from .functional._common import set_check_finite
+from .ops import higher_order
 from .shell import Stateful
 from .vmapped import (fold_workspaces, per_sample_grad, per_sample_value_and_grad, stack_module_state,
                       stack_workspaces, unstack_module_state, unstack_workspaces)

@@ -36,6 +36,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from .nn import TEModule
+from .ops import backward_differentiable, first_order_only
 from .nn.context import Frame, current_frame, push, transform_level
 
 __all__ = ["checkpoint"]
@@ -193,6 +194,11 @@ class _Checkpoint(torch.autograd.Function):
         args, params, given = block.split(values)
         recompute_ws = [g if k in block.as_given else n for k, g, n in zip(block.keys, given, new)]
         ctx.save_for_backward(*args, *params, *recompute_ws)
+        if backward_differentiable((*args, *params))[1]:
+            raise NotImplementedError(
+                "tef.checkpoint: a derivative of a checkpointed block's backward was asked for (a second "
+                "derivative, a Hessian, MAML's meta-gradient): the recompute cannot give one. Call the block "
+                "without tef.checkpoint there; te_func's layers take any order of derivative")
         ctx.block = block
         ctx.mark_non_differentiable(*(t for t in new if isinstance(t, torch.Tensor)))
         ctx.set_materialize_grads(False)
@@ -202,6 +208,10 @@ class _Checkpoint(torch.autograd.Function):
     def backward(ctx, *grads):
         block = ctx.block
         values = ctx.saved_tensors
+        if not torch.is_grad_enabled():
+            # No graph of this backward was asked for: the recompute's vjp needs none of the
+            # tensors' own history (te_func's layers would keep what a second derivative reads).
+            values = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in values)
         need = ctx.needs_input_grad[1:]
         wanted = [i for i, (v, n) in enumerate(zip(values, need)) if n and v is not None]
         n_out = len(ctx.out_meta)
@@ -214,7 +224,7 @@ class _Checkpoint(torch.autograd.Function):
                 vals[i] = v
             out, _ = block.run(tuple(vals), recompute=True)
             return out
-        with torch.enable_grad():
+        with torch.enable_grad(), first_order_only():
             _, vjp = torch.func.vjp(recomputed, *(values[i] for i in wanted))
             got = vjp(tuple(grads))
         result = [None] * len(values)

@@ -5,6 +5,8 @@ import numbers
 
 import torch
 
+from .. import _compat
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -105,6 +107,10 @@ def needs_weight_grad(weight: torch.Tensor) -> bool:
     """Whether forward must keep what the weight-gradient GEMM reads.
 
     While dynamo traces torch.func.grad, requires_grad of the differentiated
-    tensors reads False, so under compile any grad-enabled call keeps it.
+    tensors reads False, so under compile any grad-enabled call keeps it. Under
+    torch.func.vmap a batched weight reads False too while autograd outside tracks
+    it (an ensemble or MAML's tasks, differentiated by loss.backward()).
     """
-    return torch.is_grad_enabled() and (weight.requires_grad or torch.compiler.is_compiling())
+    if not torch.is_grad_enabled():
+        return False
+    return torch.compiler.is_compiling() or _compat.requires_grad(weight)

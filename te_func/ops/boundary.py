@@ -29,11 +29,15 @@ Function class for all ops, called like this:
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["call", "call_forward", "GradContext", "on_backward"]
+from .. import _compat
+
+__all__ = ["call", "call_forward", "GradContext", "on_backward", "higher_order", "first_order_only",
+           "backward_differentiable"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,11 @@ class _Boundary(torch.autograd.Function):
         unknown = [k for k in out if k not in op.outputs]
         if unknown:
             raise RuntimeError(f"{type(op).__name__}.forward returned {sorted(unknown)}, not among its outputs")
+        if _tangents_possible():
+            # Forward mode gives each view the tangent of its base; a bit view (an FP8 cast made
+            # as integers) has a base that can hold none: such outputs go as copies.
+            out = {k: v.clone() if isinstance(v, torch.Tensor) and v._base is not None
+                   and not v._base.is_floating_point() else v for k, v in out.items()}
         return tuple(out.get(k) for k in op.outputs)
 
     @staticmethod
@@ -72,7 +81,17 @@ class _Boundary(torch.autograd.Function):
         keep = set(op.differentiable) | set(op.carried)
         ctx.mark_non_differentiable(*(t for k, t in outputs.items() if k not in keep and t is not None))
         named = {**dict(zip(names, values)), **outputs}
-        ctx.save_for_backward(*(named.get(k) for k in op.saved))
+        # What the first-order backward reads, and where a derivative of that backward can be
+        # asked for, what the linearization reads too (see `_linearized_grads`).
+        ctx.plain, ctx.higher = backward_differentiable(named.get(k) for k in op.primals)
+        extra = tuple(k for k in op.linearization_inputs if k not in op.saved) if ctx.higher else ()
+        ctx.saved_names = op.saved + extra
+        ctx.save_for_backward(*(named.get(k) for k in ctx.saved_names))
+        if _tangents_possible():
+            ctx.save_for_forward(*(named.get(k) for k in op.linearization_inputs))
+            # torch takes no None tangent for an output it differentiates (2.13): those get zeros.
+            ctx.zero_tangents = {k: (t.shape, t.dtype, t.device) for k, t in outputs.items()
+                                 if k in keep and t is not None}
         # Sizes are inputs, not part of the op's static config, so that a new size (an MoE
         # group's token count) is a new value for torch.compile, not a new graph.
         ctx.sizes = {k: v for k, v in zip(names, values) if isinstance(v, (int, torch.SymInt))}
@@ -86,28 +105,147 @@ class _Boundary(torch.autograd.Function):
         ctx.first_meta = (first.shape, first.dtype, first.device)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        # once_differentiable: the backward runs without recording a graph (torch.func.grad
-        # always asks for one; it would keep every temporary of the backward alive, as
-        # much again as the layer's activations), and a second derivative through it is
-        # refused with torch's error instead of differentiating casts and GEMMs that have
-        # none. TE's backward is not differentiable either.
         op = ctx.op
-        saved = {**ctx.sizes, **dict(zip(op.saved, ctx.saved_tensors))}
+        saved = {**ctx.sizes, **dict(zip(ctx.saved_names, ctx.saved_tensors))}
         need = dict(zip(ctx.names, ctx.needs_input_grad[2:]))
         out_grads = {k: g for k, g in zip(op.outputs, grads) if k in op.differentiable}
         first = op.differentiable[0]
         if out_grads[first] is None:
             shape, dtype, device = ctx.first_meta
             out_grads[first] = torch.zeros(shape, dtype=dtype, device=device)
-        with _no_autocast(grads):
-            input_grads = op.backward(saved, out_grads, GradContext(need, ctx.dtypes))
+        if torch.is_grad_enabled() and ctx.plain and not ctx.higher:
+            _refuse_create_graph(op)
+        differentiated = torch.is_grad_enabled() and ctx.higher
+        # The FP8 backward (casts, FP8 GEMMs) on detached tensors: it records no graph, which
+        # torch.func.grad would otherwise ask for and keep alive with every temporary of the
+        # backward, as much again as the layer's activations. Its derivatives, where some
+        # transform outside can ask for them, come from the linearization below.
+        with torch.no_grad(), _no_autocast(grads):
+            input_grads = op.backward(_detached(saved), _detached(out_grads), GradContext(need, ctx.dtypes))
         unknown = [k for k in input_grads if k not in need]
         if unknown:
             raise RuntimeError(f"{type(op).__name__}.backward returned gradients of {sorted(unknown)}, "
                                f"which are not among its inputs")
+        if differentiated:
+            input_grads = _linearized_grads(op, saved, out_grads, input_grads, need)
         return (None, None, *(input_grads.get(k) if need[k] else None for k in ctx.names))
+
+    @staticmethod
+    def jvp(ctx, _op, _names, *tangents):
+        # Forward mode: the tangents of the linearization (see `_linearized_grads`) at the
+        # forward's operands; state and saved casts get none.
+        op = ctx.op
+        primals = dict(zip(op.linearization_inputs, ctx.saved_tensors))
+        given = {k: t for k, t in zip(ctx.names, tangents) if k in op.primals and t is not None
+                 and primals.get(k) is not None}
+        out_tangents = {}
+        if given:
+            fixed = {k: v for k, v in primals.items() if k not in given}
+            names = tuple(given)
+            _, out_tangents = torch.func.jvp(
+                lambda *d: op.linearized({**fixed, **dict(zip(names, d)), **ctx.sizes}),
+                tuple(primals[k] for k in names), tuple(given.values()))
+        zeros = {k: torch.zeros(shape, dtype=dtype, device=device)
+                 for k, (shape, dtype, device) in ctx.zero_tangents.items() if k not in out_tangents}
+        return tuple({**zeros, **out_tangents}.get(k) for k in op.outputs)
+
+
+def _detached(tensors: dict) -> dict:
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
+
+
+# --- derivatives beyond the first-order backward ------------------------------------------------
+# te_func defines them as TE defines the first-order backward: each GEMM is linear in its
+# operands as it read them (the FP8 casts), and a cast passes tangents and cotangents straight
+# through to the tensor it was made from. `op.linearized(t)` is that function in high
+# precision: the op's math with plain torch norms and activations, each GEMM on its forward's
+# dequantized operands. Its vjp has the FP8 backward's value up to the gradient's own rounding;
+# te_func returns the FP8 backward's value and the vjp's derivatives (`value + (v - v.detach())`),
+# so first-order results stay bit-identical, and second and higher derivatives, reverse or
+# forward, are exact derivatives of the linearization: never zeros, never a refusal.
+
+_mode = threading.local()      # .higher: inside higher_order(); .first_order: inside first_order_only()
+
+
+@contextlib.contextmanager
+def _setting(name: str):
+    previous = getattr(_mode, name, False)
+    setattr(_mode, name, True)
+    try:
+        yield
+    finally:
+        setattr(_mode, name, previous)
+
+
+def higher_order():
+    """Forward calls of te_func layers inside keep what a derivative of their backward reads
+    (the layer's input in high precision, its parameters), for plain autograd's
+    `autograd.grad(..., create_graph=True)`. torch.func's transforms need no such context:
+    te_func sees them and keeps it by itself."""
+    return _setting("higher")
+
+
+def first_order_only():
+    """te_func's own backwards that run layers again (tef.checkpoint's recompute) and whose
+    result nothing differentiates: the layers inside skip what a derivative of their backward
+    needs, although the transform levels around them could ask for one."""
+    return _setting("first_order")
+
+
+def backward_differentiable(primals) -> tuple[bool, bool]:
+    """For a Function node being set up over `primals` (its differentiable inputs): (whether it
+    is plain autograd's, no torch.func level of its own; whether something outside the level
+    its backward runs at can differentiate that backward: another torch.func grad or jvp level
+    around it, plain autograd below it (MAML: torch.func.grad inside, loss.backward() outside),
+    or `higher_order()`)."""
+    levels = _compat.transform_levels()
+    while levels and levels[-1] == "vmap":
+        levels.pop()
+    if getattr(_mode, "first_order", False):
+        return not levels, False
+    if not levels:          # plain autograd: create_graph is known only in backward
+        return True, getattr(_mode, "higher", False)
+    levels.pop()            # the level this node belongs to
+    if getattr(_mode, "higher", False) or "grad" in levels or "jvp" in levels:
+        return False, True
+    return False, any(isinstance(v, torch.Tensor) and _compat.base_tensor(v).requires_grad for v in primals)
+
+
+def _tangents_possible() -> bool:
+    return "jvp" in _compat.transform_levels() or _compat.forward_ad_active()
+
+
+def _refuse_create_graph(op):
+    """Plain autograd asked for a graph of this backward (create_graph=True) of a forward that
+    kept too little for one: refused at the first such call, rather than differentiated as if
+    the FP8 casts had no operands."""
+    raise RuntimeError(
+        f"te_func: a derivative of {type(op).__name__}'s backward was asked for (autograd.grad(..., "
+        f"create_graph=True) or backward(create_graph=True)), but its forward ran outside "
+        f"tef.higher_order() and kept only the FP8 casts its first-order backward reads. Run the forward "
+        f"inside `with tef.higher_order():`, or take the derivatives with torch.func (tef.grad, "
+        f"torch.func.grad, jacrev, hessian), which te_func sees and keeps what they need for")
+
+
+def _linearized_grads(op, saved: dict, out_grads: dict, input_grads: dict, need: dict) -> dict:
+    """`input_grads` (the FP8 backward's, detached) given the derivatives of the linearization's
+    vjp with respect to the op's inputs and the output gradients."""
+    missing = [k for k in op.linearization_inputs if k not in saved]
+    if missing:
+        raise RuntimeError(f"te_func: {type(op).__name__} kept no {missing} for a derivative of its backward")
+    wanted = tuple(k for k in op.primals if need.get(k) and saved.get(k) is not None
+                   and input_grads.get(k) is not None)
+    if not wanted:
+        return input_grads
+    fixed = {k: saved[k] for k in op.linearization_inputs if k not in wanted}
+    sizes = {k: v for k, v in saved.items() if isinstance(v, (int, torch.SymInt))}
+    outputs, vjp = torch.func.vjp(lambda *d: op.linearized({**fixed, **sizes, **dict(zip(wanted, d))}),
+                                  *(saved[k] for k in wanted))
+    linear = vjp({k: torch.zeros_like(v) if out_grads.get(k) is None else out_grads[k].to(v.dtype)
+                  for k, v in outputs.items()})
+    return {**input_grads, **{k: input_grads[k] + (g - g.detach()).to(input_grads[k].dtype)
+                              for k, g in zip(wanted, linear)}}
 
 
 def _no_autocast(values):

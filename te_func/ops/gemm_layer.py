@@ -165,6 +165,11 @@ def backward_amax(new_g) -> torch.Tensor | None:
     return new_g.record if isinstance(new_g, (DelayedState, BatchAmax)) else None
 
 
+def _straight_through(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` (fp32), with `t`'s derivatives: t - t.detach() is exactly zero."""
+    return value + (t - t.detach()).float()
+
+
 @dataclass(frozen=True)
 class GemmSlot:
     """One FP8 GEMM inside an op: its config, the op input that is its weight, and the
@@ -230,6 +235,24 @@ class GemmSlot:
         def after(state, name):
             return None if state is None else state.with_record(outputs[self._n(name)])
         return after(x_state, "new_x_record"), after(g_state, "new_g_record")
+
+    @property
+    def linearization_reads(self) -> tuple[str, ...]:
+        """What `linearized` reads besides the GEMM's input and bias: the weight, its forward
+        cast, and the input's state."""
+        return (self.weight, *map(self._n, ("w", "w_scale_inv", "w_amax", "x_record", "x_scale")))
+
+    def linearized(self, t: dict, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (tokens, in) @ weight.T + bias (tokens, out) in x's dtype, as the forward GEMM would
+        compute it in fp32 on its operands' casts dequantized (x cast again with the state the
+        forward cast it with), each cast passing derivatives straight through to the tensor it
+        was made from: the function whose derivatives are the GEMM's beyond the first-order
+        backward (te_func.ops.boundary)."""
+        n, cfg = self._n, self.cfg
+        w = dequantize(Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block, t[n("w_amax")], None))
+        xq, _ = quantize_scheme(x.detach(), cfg.input, _state(cfg.input, t[n("x_record")], t[n("x_scale")]))
+        out = _straight_through(x, dequantize(xq)) @ _straight_through(t[self.weight], w).t()
+        return (out if bias is None else out + bias.float()).to(x.dtype)
 
     def forward(self, t: dict, x: torch.Tensor, bias: torch.Tensor | None, x_amax: torch.Tensor | None = None):
         """x (tokens, in) -> (out (tokens, out) in x's dtype, this slot's outputs by name).

@@ -40,6 +40,20 @@ class GroupedLinearFP8:
     def saved(self):
         return tuple(k for slot in self.slots for k in slot.saved)
 
+    @property
+    def primals(self):
+        return ("x", *(f"{k}{i}" for i in range(len(self.slots)) for k in ("weight", "bias")))
+
+    @property
+    def linearization_inputs(self):
+        return ("x", *(f"bias{i}" for i in range(len(self.slots))),
+                *(k for slot in self.slots for k in slot.linearization_reads))
+
+    def linearized(self, t):
+        outs = [slot.linearized(t, xi, t[f"bias{i}"])
+                for i, (slot, xi) in enumerate(zip(self.slots, torch.split(t["x"], self._splits(t))))]
+        return {"out": torch.cat(outs)}                                          # (tokens, out)
+
     def forward(self, t):
         outs, state = [], {}
         for i, (slot, xi) in enumerate(zip(self.slots, torch.split(t["x"], self._splits(t)))):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .gemm_layer import GemmSlot
-from .normalization import NormConfig, norm_backward, norm_output
+from .normalization import NormConfig, norm_backward, norm_output, norm_reference
 
 __all__ = ["LayerNormLinearFP8"]
 
@@ -22,6 +22,7 @@ class LayerNormLinearFP8:
     gemm: GemmSlot
     norm: NormConfig
     differentiable = ("out", "ln_out")
+    primals = ("x", "ln_weight", "ln_bias", "weight", "bias")
 
     @property
     def outputs(self):
@@ -34,6 +35,14 @@ class LayerNormLinearFP8:
     @property
     def saved(self):
         return ("x", "ln_weight", "mean", "rsigma", *self.gemm.saved)
+
+    @property
+    def linearization_inputs(self):
+        return ("x", "ln_weight", "ln_bias", "bias", *self.gemm.linearization_reads)
+
+    def linearized(self, t):
+        ln_out = norm_reference(t["x"], t["ln_weight"], t["ln_bias"], self.norm)        # (tokens, in)
+        return {"out": self.gemm.linearized(t, ln_out, t["bias"]), "ln_out": ln_out}
 
     def forward(self, t):
         x = t["x"]

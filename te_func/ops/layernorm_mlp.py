@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import Activation, activation_grad_with_sums, activation_with_amax
+from .activations import Activation, activation_grad_with_sums, activation_reference, activation_with_amax
 from .gemm_layer import GemmSlot
-from .normalization import NormConfig, norm_backward, norm_output
+from .normalization import NormConfig, norm_backward, norm_output, norm_reference
 
 __all__ = ["LayerNormMLPFP8"]
 
@@ -35,6 +35,7 @@ class LayerNormMLPFP8:
     norm: NormConfig
     activation: Activation
     differentiable = ("out", "ln_out")
+    primals = ("x", "ln_weight", "ln_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
 
     @property
     def outputs(self):
@@ -49,6 +50,16 @@ class LayerNormMLPFP8:
     def saved(self):
         return ("x", "ln_weight", "mean", "rsigma", "fc1_out", "fc1_bias_pending", *self.fc1.saved,
                 *self.fc2.saved)
+
+    @property
+    def linearization_inputs(self):
+        return ("x", "ln_weight", "ln_bias", "fc1_bias", "fc2_bias", *self.fc1.linearization_reads,
+                *self.fc2.linearization_reads)
+
+    def linearized(self, t):
+        ln_out = norm_reference(t["x"], t["ln_weight"], t["ln_bias"], self.norm)          # (tokens, hidden)
+        act = activation_reference(self.activation, self.fc1.linearized(t, ln_out, t["fc1_bias"]))
+        return {"out": self.fc2.linearized(t, act, t["fc2_bias"]), "ln_out": ln_out}
 
     def forward(self, t):
         x = t["x"]

@@ -17,6 +17,7 @@ class LinearFP8:
     """inputs: x (tokens, in), weight (out, in), bias (out,) or None, and the slot's tensors."""
     gemm: GemmSlot
     differentiable = ("out",)
+    primals = ("x", "weight", "bias")
 
     @property
     def outputs(self):
@@ -29,6 +30,13 @@ class LinearFP8:
     @property
     def saved(self):
         return self.gemm.saved
+
+    @property
+    def linearization_inputs(self):
+        return ("x", "bias", *self.gemm.linearization_reads)
+
+    def linearized(self, t):
+        return {"out": self.gemm.linearized(t, t["x"], t["bias"])}
 
     def forward(self, t):
         out, gemm_out = self.gemm.forward(t, t["x"], t["bias"])                # (tokens, out)
