@@ -131,7 +131,8 @@ def _after_load(shell: "Stateful", incompatible_keys):
         return
     ws, prefix = pending
     if ws:
-        shell._set_workspaces(ws)
+        device = next(shell.model.parameters(), torch.empty(0)).device
+        shell._set_workspaces({k: v.to(device) for k, v in ws.items()})
     else:
         shell.reset_workspaces()
         incompatible_keys.missing_keys.extend(prefix + _WS + k for k in shell.workspaces)
@@ -190,9 +191,22 @@ class Stateful(nn.Module):
 
     @workspaces.setter
     def workspaces(self, ws: dict):
+        # Checked before anything is replaced: a dict of another model or recipe leaves the
+        # shell as it was.
+        try:
+            holds_casts = keeps_weight_casts(self.model, ws, self.recipe)
+        except (KeyError, ValueError, TypeError) as e:
+            raise type(e)(f"Stateful.workspaces: the dict does not fit this shell's model "
+                          f"({type(self.model).__name__}, recipe={type(self.recipe).__name__}), which is left as "
+                          f"it was: {e.args[0]}. Make it with tef.init_workspaces(shell.model, shell.recipe), or "
+                          f"take it from this shell") from None
+        if holds_casts != self.weight_cache and holds_casts is False:
+            raise ValueError("Stateful.workspaces: the dict keeps no weight casts (weight_cache=False) and this "
+                             "shell keeps them; the shell is left as it was")
         self._set_workspaces(ws)
 
     def _set_workspaces(self, ws: dict):
+        ws = _outside_inference_mode(ws)
         mark_static(ws.values())
         self._workspaces = ws
         self._make_sinks_and_inboxes()
@@ -205,8 +219,9 @@ class Stateful(nn.Module):
         # gets a gradient. Sinks and inboxes live in plain dicts, not as parameters or buffers:
         # no optimizer or state_dict sees them.
         self._backward_keys = backward_keys(self.model, self.recipe)
-        self._sinks = {k: torch.zeros_like(self._workspaces[k]).requires_grad_() for k in self._backward_keys}
-        self._inboxes = {k: torch.zeros_like(self._workspaces[k]) for k in self._backward_keys}
+        with torch.inference_mode(False):       # a shell made under inference_mode: normal tensors
+            self._sinks = {k: torch.zeros_like(self._workspaces[k]).requires_grad_() for k in self._backward_keys}
+            self._inboxes = {k: torch.zeros_like(self._workspaces[k]) for k in self._backward_keys}
         mark_static(self._inboxes.values())
         # Whether a compiled call ran since the inboxes were made: its backward may fill them
         # at any time later, so calls and reads merge them first.
@@ -260,6 +275,12 @@ class Stateful(nn.Module):
 
     def forward(self, *args, is_first_microbatch: bool | None = None, **kwargs):
         params = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            first = next(iter(params.values()), None)
+            if first is not None and first.is_inference():
+                raise RuntimeError("tef.Stateful: the model's parameters were made under torch.inference_mode() "
+                                   "(inference tensors), which autograd cannot train: build the model outside "
+                                   "inference_mode to train it, or call the shell under inference_mode only")
         ws, watch = self._workspaces, None
         compiling = torch.compiler.is_compiling()
         if self._backward_keys and (compiling or self._compiled):
@@ -284,7 +305,8 @@ class Stateful(nn.Module):
         out, new_ws = functional_call(self.model, params, ws, args, kwargs, recipe=self.recipe,
                                       is_first_microbatch=is_first_microbatch, amax_group=self.amax_group,
                                       _watch=watch)
-        self._workspaces = {**new_ws, **{k: new_ws[k].detach() for k in self._backward_keys}}
+        new_ws = {**new_ws, **{k: new_ws[k].detach() for k in self._backward_keys}}
+        self._workspaces = _outside_inference_mode(new_ws) if torch.is_inference_mode_enabled() else new_ws
         return out
 
     # --- modules around it: state_dict, copies, devices ---------------------------------------
@@ -302,7 +324,10 @@ class Stateful(nn.Module):
         ours = [k for k in state_dict if k.startswith(p)]
         unexpected_keys[:] = [k for k in unexpected_keys if not k.startswith(p)]
         device = next(self.model.parameters(), torch.empty(0)).device
-        ws = {k[len(p):]: state_dict[k].to(device) for k in ours}
+        # A model built on the meta device gets its weights after this (load_state_dict(...,
+        # assign=True) loads the shell before the model inside): the entries stay where they
+        # are until then (_after_load).
+        ws = {k[len(p):]: state_dict[k] if device.type == "meta" else state_dict[k].to(device) for k in ours}
         if any(k.startswith("te_func.recipe=") for k in ws) or _format_of(ws) == 2:     # an earlier te_func's
             ws = upgrade_workspaces(ws, self.model, self.recipe)
         if ws:
@@ -373,6 +398,17 @@ class Stateful(nn.Module):
     def extra_repr(self) -> str:
         return (f"recipe={self.recipe!r}" + ("" if self.amax_group is None else f", amax_group={self.amax_group!r}")
                 + ("" if self.weight_cache else ", weight_cache=False"))
+
+
+def _outside_inference_mode(ws: dict) -> dict:
+    """`ws` with every entry made under torch.inference_mode as a normal tensor: an inference
+    tensor cannot be used outside it (no version counter), and an evaluation under
+    inference_mode leaves the shell's state as one under no_grad does (the forward's amaxes
+    recorded, no scale updated)."""
+    if not any(isinstance(v, torch.Tensor) and v.is_inference() for v in ws.values()):
+        return ws
+    with torch.inference_mode(False):
+        return {k: v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v for k, v in ws.items()}
 
 
 def _format_of(ws: dict) -> int | None:
