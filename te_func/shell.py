@@ -16,6 +16,7 @@ from . import distributed
 from .frame import (backward_keys, backward_weights, functional_call, init_workspaces, keeps_weight_casts,
                     mark_static, upgrade_workspaces, workspace_spec)
 from .nn import TEModule
+from .nn.frozen import FrozenLayer
 from .ops import on_backward
 from .quant.workspace import RECIPE_KEY
 
@@ -161,6 +162,10 @@ class Stateful(nn.Module):
 
     def __init__(self, model: nn.Module, recipe, *, amax_group=None, weight_cache: bool = True):
         super().__init__()
+        if any(isinstance(m, FrozenLayer) for m in model.modules()):
+            raise ValueError(f"tef.Stateful: {type(model).__name__} is frozen (tef.freeze): it holds FP8 weight "
+                             f"casts for inference and nothing to train or keep state for; call it directly "
+                             f"(frozen(x)), or wrap the trained model it was frozen from")
         if recipe is not None and not any(isinstance(m, TEModule) for m in model.modules()):
             raise ValueError(f"tef.Stateful: {type(model).__name__} has no te_func layers, so recipe="
                              f"{type(recipe).__name__} would change nothing; convert it first: "

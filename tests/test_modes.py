@@ -141,3 +141,9 @@ def test_refused_calls_evaluations_and_meta_reloads_leave_the_run_bit_identical(
             busy(x)
         train_step(busy, opt, x)
     assert_same_run(plain, busy)
+
+
+def test_a_frozen_model_handed_to_stateful_is_told_what_it_is():
+    frozen = tef.freeze(mlp(), Float8CurrentScaling())
+    with pytest.raises(ValueError, match=r"is frozen \(tef.freeze\)"):
+        tef.Stateful(frozen, Float8CurrentScaling())
