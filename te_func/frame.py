@@ -334,7 +334,8 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
         out = torch.func.functional_call(model, params, args, kwargs or {})
     # Plain state, whichever way the caller differentiates: a weight cast's scale or a grad
     # history made under autograd would otherwise carry the step's graph into the next step.
-    new_ws = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in {**ws, **frame.updates}.items()}
+    new_ws = {k: v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v
+              for k, v in {**ws, **frame.updates}.items()}
     if group is not None:   # the forward's amaxes (input and weight roles), as TE reduces them after a forward
         forward = {k: new_ws[k] for k, e in spec.items() if e.kind == "amax_history" and not e.backward}
         new_ws.update(distributed.reduce_amax_slots(forward, group))

@@ -311,7 +311,9 @@ class Stateful(nn.Module):
                                       is_first_microbatch=is_first_microbatch, amax_group=self.amax_group,
                                       _watch=watch)
         new_ws = {**new_ws, **{k: new_ws[k].detach() for k in self._backward_keys}}
-        self._workspaces = _outside_inference_mode(new_ws) if torch.is_inference_mode_enabled() else new_ws
+        # dynamo cannot trace the inference_mode check: compiled calls skip it
+        inference = not compiling and torch.is_inference_mode_enabled()
+        self._workspaces = _outside_inference_mode(new_ws) if inference else new_ws
         return out
 
     # --- modules around it: state_dict, copies, devices ---------------------------------------
@@ -410,7 +412,8 @@ def _outside_inference_mode(ws: dict) -> dict:
     tensor cannot be used outside it (no version counter), and an evaluation under
     inference_mode leaves the shell's state as one under no_grad does (the forward's amaxes
     recorded, no scale updated)."""
-    if not any(isinstance(v, torch.Tensor) and v.is_inference() for v in ws.values()):
+    if torch.compiler.is_compiling() or not any(isinstance(v, torch.Tensor) and v.is_inference()
+                                                for v in ws.values()):
         return ws
     with torch.inference_mode(False):
         return {k: v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v for k, v in ws.items()}

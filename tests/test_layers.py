@@ -500,15 +500,21 @@ def test_norms_run_under_delayed_scaling_without_state(recipe):
 
 @pytest.mark.parametrize("make", [lambda: tef.nn.Linear(32, 32), lambda: tef.nn.LayerNormMLP(32, 64)],
                          ids=["Linear", "LayerNormMLP"])
-def test_a_second_derivative_through_an_fp8_layer_is_refused(make):
-    """An FP8 layer's backward (casts, FP8 GEMMs) is not differentiable, as TE's is not: a
-    gradient taken with create_graph=True is usable as a value, and differentiating it again
-    raises torch's once_differentiable error instead of returning a made-up second derivative."""
+def test_a_second_derivative_in_plain_autograd_is_the_linearizations_or_refused(make):
+    """create_graph=True through an FP8 layer whose forward kept only its FP8 casts is refused at
+    that backward, naming tef.higher_order(); under it the first derivative is the FP8
+    backward's, bit for bit, and the second is the linearization's (tests/test_higher_order.py):
+    finite and not zero."""
     m = perturbed(make())
     x = torch.randn(16, 32, requires_grad=True)
     with tef.autocast(tef.recipe.Float8CurrentScaling()):
         out = m(x)
+    (first_order,) = torch.autograd.grad(out.square().sum(), x, retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"tef.higher_order\(\)"):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with tef.autocast(tef.recipe.Float8CurrentScaling()), tef.higher_order():
+        out = m(x)
     (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
-    assert torch.isfinite(gx).all() and gx.abs().sum() > 0
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        gx.square().sum().backward()
+    assert torch.equal(gx, first_order)
+    gx.square().sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0

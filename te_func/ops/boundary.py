@@ -83,12 +83,12 @@ class _Boundary(torch.autograd.Function):
         named = {**dict(zip(names, values)), **outputs}
         # What the first-order backward reads, and where a derivative of that backward can be
         # asked for, what the linearization reads too (see `_linearized_grads`).
-        ctx.plain, ctx.higher = backward_differentiable(named.get(k) for k in op.primals)
-        extra = tuple(k for k in op.linearization_inputs if k not in op.saved) if ctx.higher else ()
+        ctx.plain, ctx.higher = backward_differentiable(named.get(k) for k in getattr(op, "primals", ()))
+        extra = tuple(k for k in _linearization_inputs(op) if k not in op.saved) if ctx.higher else ()
         ctx.saved_names = op.saved + extra
         ctx.save_for_backward(*(named.get(k) for k in ctx.saved_names))
         if _tangents_possible():
-            ctx.save_for_forward(*(named.get(k) for k in op.linearization_inputs))
+            ctx.save_for_forward(*(named.get(k) for k in _linearization_inputs(op)))
             # torch takes no None tangent for an output it differentiates (2.13): those get zeros.
             ctx.zero_tangents = {k: (t.shape, t.dtype, t.device) for k, t in outputs.items()
                                  if k in keep and t is not None}
@@ -136,6 +136,7 @@ class _Boundary(torch.autograd.Function):
         # Forward mode: the tangents of the linearization (see `_linearized_grads`) at the
         # forward's operands; state and saved casts get none.
         op = ctx.op
+        _require_linearization(op)
         primals = dict(zip(op.linearization_inputs, ctx.saved_tensors))
         given = {k: t for k, t in zip(ctx.names, tangents) if k in op.primals and t is not None
                  and primals.get(k) is not None}
@@ -228,9 +229,22 @@ def _refuse_create_graph(op):
         f"torch.func.grad, jacrev, hessian), which te_func sees and keeps what they need for")
 
 
+def _linearization_inputs(op) -> tuple:
+    return getattr(op, "linearization_inputs", ())
+
+
+def _require_linearization(op):
+    # An op that declares no linearization (FSDP's gathers, tensor parallelism's collectives)
+    # gives first derivatives only: refused here rather than differentiated as zero.
+    if not hasattr(op, "linearized"):
+        raise NotImplementedError(f"te_func: {type(op).__name__} gives first derivatives only; a derivative of "
+                                  f"its backward or a forward-mode tangent was asked for")
+
+
 def _linearized_grads(op, saved: dict, out_grads: dict, input_grads: dict, need: dict) -> dict:
     """`input_grads` (the FP8 backward's, detached) given the derivatives of the linearization's
     vjp with respect to the op's inputs and the output gradients."""
+    _require_linearization(op)
     missing = [k for k in op.linearization_inputs if k not in saved]
     if missing:
         raise RuntimeError(f"te_func: {type(op).__name__} kept no {missing} for a derivative of its backward")
