@@ -205,7 +205,7 @@ class Stateful(nn.Module):
                           f"({type(self.model).__name__}, recipe={type(self.recipe).__name__}), which is left as "
                           f"it was: {e.args[0]}. Make it with tef.init_workspaces(shell.model, shell.recipe), or "
                           f"take it from this shell") from None
-        if holds_casts != self.weight_cache and holds_casts is False:
+        if self.weight_cache and not holds_casts:
             raise ValueError("Stateful.workspaces: the dict keeps no weight casts (weight_cache=False) and this "
                              "shell keeps them; the shell is left as it was")
         self._set_workspaces(ws)
