@@ -27,7 +27,7 @@ the same outputs; compiled results equal eager ones; a workspace made for
 another recipe, or with entries another model's layers would have, is refused
 with an error naming the entry.
 """
-from . import distributed, functional, nn, quant, recipe
+from . import _compat, distributed, functional, nn, quant, recipe
 from .convert import convert, fp8_pays
 from .frame import (autocast, functional_call, grad, init_workspaces, upgrade_workspaces, validate_workspaces,
                     value_and_grad, workspace_spec)
@@ -38,6 +38,8 @@ from .vmapped import (fold_workspaces, per_sample_grad, per_sample_value_and_gra
                       stack_workspaces, unstack_module_state, unstack_workspaces)
 from .freeze import freeze, frozen_layers
 from .checkpoint import checkpoint
+
+_compat.guard_cpu_loop_split()
 
 __all__ = ["distributed", "functional", "nn", "quant", "recipe", "convert", "fp8_pays", "autocast", "functional_call", "grad",
            "init_workspaces", "value_and_grad", "workspace_spec", "validate_workspaces",

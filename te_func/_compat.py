@@ -1,15 +1,19 @@
-"""The private torch internals te_func reads about torch.func's transform levels.
+"""The private torch internals te_func reads (torch.func's transform levels) and the one
+torch bug it works around (inductor's C++ loop split).
 
 Checked on torch 2.11 (the GPU machine) and 2.13 (CPU). A torch upgrade that moves
-them breaks here first: tests/test_higher_order.py runs every path through them.
+them breaks here first: tests/test_higher_order.py runs every path through the first,
+tests/test_transforms.py compiles the models the second is for.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch._C import _functorch
 from torch._functorch import pyfunctorch
 
-__all__ = ["transform_levels", "base_tensor", "requires_grad", "forward_ad_active"]
+__all__ = ["transform_levels", "base_tensor", "requires_grad", "forward_ad_active", "guard_cpu_loop_split"]
 
 
 def transform_levels() -> list[str]:
@@ -41,3 +45,41 @@ def requires_grad(t: torch.Tensor) -> bool:
 def forward_ad_active() -> bool:
     """Whether plain autograd's forward mode (torch.autograd.forward_ad.dual_level) is on."""
     return torch.autograd.forward_ad._current_level >= 0
+
+
+def guard_cpu_loop_split() -> None:
+    """Skips inductor's C++ loop split where torch's own check of it fails.
+
+    The split (CppScheduling.try_loop_split) is an optional rewrite of a fused CPU kernel
+    that removes a `x // n` index. It checks that the fused loops have as many dimensions,
+    not that they are as long, and then asserts they are: a kernel that casts a tensor by
+    blocks along its rows and its transpose by blocks along its rows too (MXFP8's and
+    Float8BlockScaling's two copies of a gradient) stops the compile with
+    `AssertionError: ({y0: 32, y1: 2, y2: 32}, {y0: 64, y1: 1, y2: 32})`.
+    docs/functional.md has the minimal repro. The assertion comes before the split changes
+    any node, so returning the nodes there gives the kernel torch writes for loops it
+    does not split. Any other assertion propagates."""
+    try:
+        from torch._inductor.codegen.cpp import CppScheduling
+    except ImportError:     # a torch without inductor's C++ backend has nothing to guard
+        return
+    split = getattr(CppScheduling, "try_loop_split", None)
+    if split is None or getattr(split, "skips_mismatched_ranges", False):
+        return
+
+    @functools.wraps(split)
+    def guarded(self, nodes):
+        try:
+            return split(self, nodes)
+        except AssertionError as e:
+            if not _mismatched_ranges(e):
+                raise
+            return nodes
+    guarded.skips_mismatched_ranges = True
+    CppScheduling.try_loop_split = guarded
+
+
+def _mismatched_ranges(e: AssertionError) -> bool:
+    # try_loop_split's assertion carries the two loops' ranges: a pair of dicts
+    (arg,) = e.args if len(e.args) == 1 else (None,)
+    return isinstance(arg, tuple) and len(arg) == 2 and all(isinstance(r, dict) for r in arg)

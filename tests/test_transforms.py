@@ -455,6 +455,31 @@ def test_compiled_train_step_with_inductor(case, recipe):
         assert_dicts_equal(w_c, w_e)
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(), Float8BlockScaling()], ids=["mxfp8", "block"])
+def test_inductor_compiles_block_recipes_on_a_stack_of_layers(recipe):
+    """Two layers deep, inductor's C++ backend fuses the block casts of a gradient and of its
+    transpose into one loop that torch's own loop split asserts on (te_func/_compat.py guards
+    it; the repro is in docs/functional.md): the step compiles, equal to eager to fp32 rounding."""
+    from te_func import _compat
+    assert _compat._mismatched_ranges(AssertionError(({"y0": 32}, {"y0": 64})))
+    assert not _compat._mismatched_ranges(AssertionError("another assertion"))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(tef.nn.Linear(256, 256), tef.nn.Linear(256, 256))
+    params, ws = detached_params(model), tef.init_workspaces(model, recipe)
+
+    def loss_fn(p, w, x):
+        out, new_w = tef.functional_call(model, p, w, (x,), recipe=recipe)
+        return out.square().sum(), new_w
+    x = torch.randn(32, 256)
+    got, got_ws = torch.compile(tef.grad(loss_fn), fullgraph=True)(params, ws, x)
+    want, want_ws = tef.grad(loss_fn)(params, ws, x)
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=1e-5, atol=1e-5), k
+    assert_dicts_equal(got_ws, want_ws)
+
 # --- Stateful -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case, recipe", MATRIX)
