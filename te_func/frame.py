@@ -219,7 +219,7 @@ def _entry_problems(model, ws, recipe, owners: dict, dropped: set):
             elif tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
                 yield ValueError, (f"workspace entry {entry!r} has shape {tuple(t.shape)} and dtype {t.dtype}, "
                                    f"but {type(m).__name__} at {path or '(root)'!r} needs {tuple(e.shape)} "
-                                   f"{e.dtype}: {_shape_hint(tuple(t.shape), tuple(e.shape))}")
+                                   f"{e.dtype}: {_shape_hint(tuple(t.shape), e)}")
             elif device is not None and t.device != device:
                 yield ValueError, (f"workspace entry {entry!r} is on {t.device} but {type(m).__name__} at "
                                    f"{path or '(root)'!r} is on {device}: move the workspaces "
@@ -231,8 +231,11 @@ def _entry_problems(model, ws, recipe, owners: dict, dropped: set):
                          f"workspaces were made for another model")
 
 
-def _shape_hint(got: tuple, want: tuple) -> str:
-    if got[1:] == want:
+def _shape_hint(got: tuple, e) -> str:
+    if got == tuple(e.shape):
+        return (f"te_func keeps this entry in {e.dtype}; convert it (.to({e.dtype})) or make the workspaces with "
+                f"tef.init_workspaces(model, recipe)")
+    if len(got) == len(e.shape) + 1 and got[1:] == tuple(e.shape):
         return ("it is stacked (one per ensemble member or sample) among entries that are not: stack every "
                 "entry (tef.stack_workspaces) or none")
     return "these workspaces belong to another model or recipe"
@@ -322,6 +325,7 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
         batch_spec = batch_scope_spec(model, recipe)
         spec = {**spec, **{k: e for k, e in batch_spec.items() if k in ws}}
         backward = [k for k, e in spec.items() if e.backward]
+        _refuse_second_differentiated_call(model, owners, scopes, backward)
         for scope in scopes:
             scope.spec.update(spec)
             scope.batch_spec.update(batch_spec)
@@ -340,6 +344,25 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
         forward = {k: new_ws[k] for k, e in spec.items() if e.kind == "amax_history" and not e.backward}
         new_ws.update(distributed.reduce_amax_slots(forward, group))
     return out, new_ws
+
+
+def _refuse_second_differentiated_call(model, owners: dict, scopes: list, backward: list) -> None:
+    """Refuses a layer with backward-time state (DelayedScaling's grad histories) in a second
+    functional_call inside one tef.grad: its backward amax would be lost, not recorded."""
+    backward = set(backward)
+    layers = {i: path for i, (path, names, _) in owners.items() if any(_prefix(path) + n in backward for n in names)}
+    for scope in scopes:
+        if scope.differentiated is None:
+            continue
+        again = sorted(path for i, path in layers.items() if i in scope.differentiated)
+        if again:
+            raise RuntimeError(
+                f"{type(model.get_submodule(again[0])).__name__} at {again[0] or '(root)'!r} ran in two tef.functional_calls inside one "
+                f"tef.grad under DelayedScaling: the second call reads the workspaces the first returned, so its "
+                f"backward amax would not reach the gradient history tef.grad records, and would be lost. Take "
+                f"tef.grad of one call per microbatch and pass new_ws from one to the next, or use tef.Stateful, "
+                f"which records every call's backward amax")
+        scope.differentiated.update(layers)
 
 
 @contextlib.contextmanager
@@ -381,7 +404,7 @@ def _grad_and_value(fn, argnums, fn_name, args, kwargs):
     # knows its model): differentiate every entry that can carry such state, and merge what
     # the calls declare (te_func.quant.workspace.Entry.backward) into new_ws.
     state = {k: v for k, v in args[1].items() if _carries_state(v)}
-    scope = CallScope()
+    scope = CallScope(differentiated={})
     # FSDP-sharded (DTensor) parameters: gathered before, gradients reduce-scattered after
     # (te_func.distributed._fsdp).
     args, shard_specs = distributed.gathered_for_grad(args, nums)

@@ -14,6 +14,7 @@ from te_func.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScali
 FP8_RECIPES = [pytest.param(r, id=rid) for rid, r in RECIPES if r is not None]
 ALL_RECIPES = [pytest.param(r, id=rid) for rid, r in RECIPES]
 CURRENT = Float8CurrentScaling()
+DELAYED = DelayedScaling(amax_history_len=4)
 
 
 def snapshot(tensors: dict) -> dict:
@@ -269,6 +270,19 @@ def test_workspaces_of_another_model_are_refused():
         tef.functional_call(model, params, tef.init_workspaces(bigger, CURRENT), (x,), recipe=CURRENT)
     with pytest.raises(TypeError, match="workspaces must be the dict from tef.init_workspaces"):
         tef.functional_call(model, params, [1], (x,), recipe=CURRENT)
+
+
+def test_a_workspace_entry_of_the_wrong_dtype_or_stacked_is_told_which():
+    model = torch.nn.Sequential(tef.nn.Linear(32, 16))
+    params, x = detached_params(model), torch.randn(4, 32)
+    ws = tef.init_workspaces(model, DELAYED)
+    scale = ws["0.grad_scale"]
+    assert scale.shape == () and scale.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"'0\.grad_scale' has shape \(\) and dtype torch.float64.*keeps this "
+                                         r"entry in torch.float32; convert it"):
+        tef.functional_call(model, params, {**ws, "0.grad_scale": scale.double()}, (x,), recipe=DELAYED)
+    with pytest.raises(ValueError, match=r"'0\.grad_scale' has shape \(3,\).*it is stacked"):
+        tef.functional_call(model, params, {**ws, "0.grad_scale": scale.expand(3)}, (x,), recipe=DELAYED)
 
 
 def test_workspaces_made_for_another_recipe_are_refused():

@@ -61,3 +61,41 @@ def test_shared_layer_under_delayed_scaling_is_refused_clearly():
     ws = tef.init_workspaces(model, recipe)
     with pytest.raises(RuntimeError, match=r"Linear at 'block' was called twice in one call under DelayedScaling"):
         _run(model, recipe, ws, torch.randn(4, 16), True)
+
+
+def _two_calls_in_one_grad(recipe, chained: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(tef.nn.Linear(16, 16))
+    params, ws = {k: v.detach() for k, v in model.named_parameters()}, tef.init_workspaces(model, recipe)
+    x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
+
+    def loss_fn(p, w):
+        out1, w1 = tef.functional_call(model, p, w, (x1,), recipe=recipe)
+        out2, w2 = tef.functional_call(model, p, w1 if chained else w, (x2,), recipe=recipe)
+        return out1.sum() + 3 * out2.sum(), w2
+    return tef.grad(loss_fn)(params, ws)
+
+
+@pytest.mark.parametrize("chained", [True, False], ids=["chained", "same-workspaces"])
+def test_a_layer_in_two_calls_inside_one_grad_under_delayed_scaling_is_refused(chained):
+    """Two functional_calls of one model inside one tef.grad: the second call's backward amax
+    (3, against the first's 1) would be lost (chained) or added to the first (same workspaces)
+    where TE keeps their max. Refused, naming the layer and the fix; a stateless recipe runs."""
+    with pytest.raises(RuntimeError, match=r"Linear at '0' ran in two tef.functional_calls inside one tef.grad "
+                                           r"under DelayedScaling.*one call per microbatch"):
+        _two_calls_in_one_grad(DelayedScaling(amax_history_len=4), chained)
+    grads, _ = _two_calls_in_one_grad(Float8CurrentScaling(), chained)
+    assert grads["0.weight"].norm() > 0
+
+
+def test_two_forwards_of_a_shell_then_one_backward_record_the_larger_backward_amax():
+    """Stateful's path for the same pattern: each forward is a step of its own (its input amax
+    rolls the history), both backward amaxes land in the current slot, combined by max as TE's
+    casts combine them."""
+    torch.manual_seed(0)
+    shell = tef.Stateful(nn.Sequential(tef.nn.Linear(16, 16)), DelayedScaling(amax_history_len=4))
+    x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
+    (shell(x1).sum() + 3 * shell(x2).sum()).backward()
+    history = shell.workspaces["0.grad_amax_history"]
+    assert torch.equal(history, torch.tensor([3.0, 0.0, 0.0, 0.0])), history
+    assert torch.equal(shell.workspaces["0.input_amax_history"][[0, 3]], torch.stack([x2.abs().max(), x1.abs().max()]))

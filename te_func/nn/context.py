@@ -83,6 +83,11 @@ class CallScope:
     amax_groups: dict = field(default_factory=dict)
     # Opened around per-sample calls in batch scope (te_func.vmapped): see Frame.batch_scales.
     batch_scales: bool = False
+    # tef.grad's: id(layer) -> path of each layer with backward entries a call inside has bound.
+    # A second call of such a layer differentiates state the first call's output holds, whose
+    # gradient (that call's backward amax) autograd cannot bring back to the entry tef.grad
+    # records. None in scopes that let a function run several times (chunked vmap).
+    differentiated: dict | None = None
 
     @property
     def backward_keys(self) -> set:
