@@ -480,6 +480,149 @@ def test_inductor_compiles_block_recipes_on_a_stack_of_layers(recipe):
         assert torch.allclose(got[k], want[k], rtol=1e-5, atol=1e-5), k
     assert_dicts_equal(got_ws, want_ws)
 
+
+# --- derivatives beyond the first, gradients outside vmap, inference_mode, meta ------------------
+
+def _float_first_input(s: Setup) -> bool:
+    return s.inputs[0].is_floating_point()
+
+
+def _derivatives(s: Setup, params: dict, ws: dict, dparams: dict, dx):
+    """jvp of the output, and the Hessian-vector product of the loss in direction (dparams, dx)
+    reverse-over-reverse (vjp of grad) and forward-over-reverse (jvp of grad), with respect to
+    the parameters and the first input where it is a float tensor (not token ids)."""
+    first, *rest = s.inputs
+
+    def out_of(p, x):
+        out, _ = tef.functional_call(s.model, p, ws, (x, *rest), s.kwargs, recipe=s.recipe)
+        return s.case.output(out)
+
+    def loss(p, x):
+        return ((out_of(p, x).to(s.target.dtype) - s.target) ** 2).sum()
+    if dx is None:
+        out_tangent = torch.func.jvp(lambda p: out_of(p, first), (params,), (dparams,))[1]
+        grad_p = torch.func.grad(lambda p: loss(p, first))
+        reverse = torch.func.vjp(grad_p, params)[1](dparams)[0]
+        forward = torch.func.jvp(grad_p, (params,), (dparams,))[1]
+    else:
+        out_tangent = torch.func.jvp(out_of, (params, first), (dparams, dx))[1]
+        grad_both = torch.func.grad(loss, argnums=(0, 1))
+        reverse = torch.func.vjp(grad_both, params, first)[1]((dparams, dx))
+        forward = torch.func.jvp(grad_both, (params, first), (dparams, dx))[1]
+        reverse, forward = {**reverse[0], "x": reverse[1]}, {**forward[0], "x": forward[1]}
+    return {"jvp": out_tangent, **{f"vjp(grad)[{k}]": v for k, v in reverse.items()},
+            **{f"jvp(grad)[{k}]": v for k, v in forward.items()}}
+
+
+def _step_into_scales(s: Setup, params, ws):
+    """One tef.grad step, so that a DelayedScaling layer quantizes with scales from its
+    history (a first step's are 1) and the weight casts are cached."""
+    _, ws = tef.grad(s.loss_fn)(params, ws, s.inputs, s.target, True)
+    return ws
+
+
+@pytest.mark.parametrize("case, recipe", MATRIX)
+def test_forward_mode_and_second_derivatives(case, recipe):
+    """torch.func.jvp, and Hessian-vector products both ways (vjp of grad, jvp of grad), with
+    respect to the parameters and the input: under recipe None those of the float64 model to fp32
+    rounding; under a recipe finite, not zero, within FP8 noise of recipe None, and the two HVPs
+    within FP8 noise of each other (docs/functional.md defines them: the linearization on the
+    forward's casts)."""
+    rid = next(rid for rid, r in RECIPES if r is recipe)
+    if case.slow_recipes is not None and rid not in case.slow_recipes:
+        pytest.skip(f"{case.name} runs second derivatives under {', '.join(case.slow_recipes)} only (CI time)")
+    s = make_setup(case, recipe)
+    params = detached_params(s.model)
+    ws = _step_into_scales(s, params, tef.init_workspaces(s.model, recipe))
+    gen = torch.Generator().manual_seed(5)
+    dparams = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
+    dx = torch.randn(s.inputs[0].shape, generator=gen) if _float_first_input(s) else None
+    # torch has no forward mode for the fused attention kernels: HuggingFace's sdpa through math
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        got = _derivatives(s, params, ws, dparams, dx)
+        hp = Setup(case, s.model, None, s.inputs, s.target, s.kwargs)
+        want = _derivatives(hp, params, tef.init_workspaces(s.model, None), dparams, dx)
+    if recipe is None:
+        ref, params64, ws64 = float64_reference(s)
+        want = _derivatives(ref, params64, ws64, {k: v.double() for k, v in dparams.items()},
+                            None if dx is None else dx.double())
+        for k in want:
+            torch.testing.assert_close(got[k].double(), want[k], rtol=1e-3, atol=1e-4 * want[k].abs().max(), msg=k)
+        return
+    floor = 3.0 if is_fp4(recipe) else 10.0
+    for k in want:
+        if want[k].norm() == 0:                 # a parameter the loss is linear in, for one
+            assert got[k].norm() == 0, k
+            continue
+        assert torch.isfinite(got[k]).all() and got[k].norm() > 0.1 * want[k].norm(), k
+        # Under DelayedScaling the outer backward of reverse-over-reverse quantizes its cotangent
+        # with the step's gradient scale, made for the first-order gradients: larger values
+        # saturate (docs/functional.md). Forward-over-reverse quantizes no tangent.
+        if not (k.startswith("vjp(grad)") and isinstance(recipe, DelayedScaling)):
+            assert sqnr(want[k], got[k]) >= floor, (k, sqnr(want[k], got[k]))
+
+
+@pytest.mark.parametrize("case, recipe", MATRIX)
+def test_gradients_outside_a_vmap_over_stacked_members(case, recipe):
+    """vmap(functional_call) over stacked members' parameters with loss.backward() outside it
+    (the ensemble or MAML pattern): each member's gradient is that member's own backward's, and
+    the workspaces come back as plain state."""
+    members = [case.make(torch.float32) for _ in range(case.members)]
+    stacked, buffers, _ = tef.stack_module_state(members, recipe, [tef.init_workspaces(m, recipe) for m in members])
+    stacked = {k: v.detach().requires_grad_() for k, v in stacked.items()}
+    base = members[0]
+    ws = tef.init_workspaces(base, recipe)
+    inputs = case.inputs(BATCH, torch.float32)
+
+    def member(p, b):
+        out, new_ws = tef.functional_call(base, {**p, **b}, ws, inputs, case.kwargs, recipe=recipe)
+        assert all(not v.requires_grad for v in new_ws.values())
+        return case.output(out)
+    torch.func.vmap(member)(stacked, buffers).square().sum().backward()
+    for i, m in enumerate(members):
+        p = {k: v.detach().requires_grad_() for k, v in m.named_parameters()}
+        b = dict(m.named_buffers())
+        out, _ = tef.functional_call(base, {**p, **b}, ws, inputs, case.kwargs, recipe=recipe)
+        case.output(out).square().sum().backward()
+        for k in p:
+            assert torch.equal(stacked[k].grad[i], p[k].grad) or sqnr(p[k].grad, stacked[k].grad[i]) > 100, (i, k)
+
+
+@pytest.mark.parametrize("case, recipe", MATRIX)
+def test_inference_mode_and_meta_loading_leave_training_bit_identical(case, recipe):
+    """Three runs of two training steps with an evaluation between: under no_grad, under
+    inference_mode, and under inference_mode by a shell built on the meta device that loaded the
+    first run's state with assign=True. Every output, gradient and workspace entry is equal bit
+    for bit."""
+    s = make_setup(case, recipe)
+    plain = tef.Stateful(copy.deepcopy(s.model), recipe)
+    evaluated = tef.Stateful(copy.deepcopy(s.model), recipe)
+    with torch.device("meta"):
+        meta = tef.Stateful(case.make(torch.float32), recipe)
+    meta.load_state_dict(copy.deepcopy(plain.state_dict()), assign=True)
+    # What from_pretrained does after loading: tie the shared weights again, and make the
+    # buffers a state_dict leaves out (the rotary frequencies; here taken from the original).
+    if hasattr(meta.model, "tie_weights"):
+        meta.model.tie_weights()
+    for name, buffer in plain.model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        setattr(meta.model.get_submodule(owner), leaf, buffer.clone())
+    batches = [case.inputs(BATCH, torch.float32) for _ in range(2)]
+    for step, inputs in enumerate(batches):
+        results = []
+        for shell, mode in ((plain, torch.no_grad), (evaluated, torch.inference_mode), (meta, torch.inference_mode)):
+            shell.model.zero_grad()
+            s.loss(shell(*inputs, **s.kwargs), s.target).backward()
+            with mode():
+                out = case.output(shell(*inputs, **s.kwargs))
+            results.append((out.clone(), {k: p.grad for k, p in shell.model.named_parameters()},
+                            dict(shell.workspaces)))
+        for out, grads, ws in results[1:]:
+            assert torch.equal(out, results[0][0]), step
+            assert_dicts_equal(grads, results[0][1])
+            assert_dicts_equal(ws, results[0][2])
+
+
 # --- Stateful -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case, recipe", MATRIX)
