@@ -47,6 +47,7 @@ def forward_ad_active() -> bool:
     return torch.autograd.forward_ad._current_level >= 0
 
 
+
 def guard_cpu_loop_split() -> None:
     """Skips inductor's C++ loop split where torch's own check of it fails.
 

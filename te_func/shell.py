@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import distributed
+from . import _compat
 from .frame import (backward_keys, backward_weights, functional_call, init_workspaces, keeps_weight_casts,
                     mark_static, upgrade_workspaces, workspace_spec)
 from .nn import TEModule
@@ -288,6 +289,12 @@ class Stateful(nn.Module):
                                    "inference_mode to train it, or call the shell under inference_mode only")
         ws, watch = self._workspaces, None
         compiling = torch.compiler.is_compiling()
+        if self._backward_keys and torch.is_grad_enabled() and not compiling and _compat.transform_levels():
+            raise RuntimeError(
+                f"tef.Stateful under {type(self.recipe).__name__} records backward amaxes through autograd hooks, "
+                f"which torch.func transforms ({', '.join(_compat.transform_levels())}) do not run: call the model "
+                f"with tef.functional_call there and thread its workspaces (docs/functional.md), or evaluate "
+                f"under torch.no_grad()")
         if self._backward_keys and (compiling or self._compiled):
             # Amaxes that earlier backwards left in the inboxes go into the step they belong to,
             # before this call's frame updates and rolls the histories. In a compiled call

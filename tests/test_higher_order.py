@@ -304,3 +304,36 @@ def test_functional_loop_with_backward_threads_delayed_state_through_steps():
         out.square().sum().backward()
         assert all(v.grad_fn is None and not v.requires_grad for v in ws.values())
     assert ws["1.input_amax_history"].gt(0).sum() >= 2
+
+
+def test_forward_mode_te_func_cannot_take_is_refused_by_name():
+    """Plain autograd's forward mode (dual_level) and forward mode through tef.checkpoint are
+    refused with what to use instead; a Stateful under DelayedScaling inside a torch.func
+    transform is told to use functional_call; a stateless Stateful takes torch.func.jvp."""
+    import torch.autograd.forward_ad as fwAD
+    recipe = Float8CurrentScaling()
+    model = converted_mlp()
+    f = functional(model, recipe)
+    params, x = detached_params(model), torch.randn(4, FEATURES)
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match=r"LinearFP8: plain autograd's forward mode.*"
+                                                                     r"torch.func.jvp, jacfwd or hessian"):
+        f(params, fwAD.make_dual(x, torch.ones_like(x)))
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return tef.checkpoint(self.inner, x)
+    wrapped = Checkpointed()
+    g = functional(wrapped, recipe)
+    with pytest.raises(NotImplementedError, match=r"tef.checkpoint: forward-mode derivatives.*without tef.checkpoint"):
+        jvp(lambda x: g(detached_params(wrapped), x), (x,), (torch.ones_like(x),))
+
+    shell = tef.Stateful(copy.deepcopy(model), recipe)
+    tangent = jvp(shell, (x,), (torch.ones_like(x),))[1]
+    assert torch.equal(tangent, jvp(lambda x: f(params, x), (x,), (torch.ones_like(x),))[1])
+    delayed = tef.Stateful(copy.deepcopy(model), DelayedScaling(amax_history_len=4))
+    with pytest.raises(RuntimeError, match=r"tef.Stateful under DelayedScaling.*\(grad\).*tef.functional_call"):
+        grad(lambda x: delayed(x).sum())(x)

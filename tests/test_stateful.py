@@ -366,7 +366,7 @@ def test_grouped_linear_with_new_routing_every_step_does_not_recompile_per_routi
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(shell, fullgraph=True, backend=counter)
     rng = np.random.default_rng(0)
-    for _ in range(10):
+    for _ in range(6):
         splits = rng.multinomial(48, [0.2, 0.3, 0.5]).tolist()   # zeros included sometimes
         compiled(torch.randn(48, 32), splits, is_first_microbatch=True).square().sum().backward()
     assert counter.frame_count <= (3 if isinstance(recipe, MXFP8BlockScaling) else 2)

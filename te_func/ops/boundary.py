@@ -90,8 +90,9 @@ class _Boundary(torch.autograd.Function):
         if _tangents_possible():
             ctx.save_for_forward(*(named.get(k) for k in _linearization_inputs(op)))
             # torch takes no None tangent for an output it differentiates (2.13): those get zeros.
+            # (An integer output, carried state such as a random stream, takes no tangent at all.)
             ctx.zero_tangents = {k: (t.shape, t.dtype, t.device) for k, t in outputs.items()
-                                 if k in keep and t is not None}
+                                 if k in keep and t is not None and t.is_floating_point()}
         # Sizes are inputs, not part of the op's static config, so that a new size (an MoE
         # group's token count) is a new value for torch.compile, not a new graph.
         ctx.sizes = {k: v for k, v in zip(names, values) if isinstance(v, (int, torch.SymInt))}
@@ -144,9 +145,18 @@ class _Boundary(torch.autograd.Function):
         if given:
             fixed = {k: v for k, v in primals.items() if k not in given}
             names = tuple(given)
-            _, out_tangents = torch.func.jvp(
-                lambda *d: op.linearized({**fixed, **dict(zip(names, d)), **ctx.sizes}),
-                tuple(primals[k] for k in names), tuple(given.values()))
+            try:
+                _, out_tangents = torch.func.jvp(
+                    lambda *d: op.linearized({**fixed, **dict(zip(names, d)), **ctx.sizes}),
+                    tuple(primals[k] for k in names), tuple(given.values()))
+            except RuntimeError as e:
+                # Under plain autograd's dual_level torch refuses the jvp's own level
+                if "Nested forward mode AD is not supported" not in str(e):
+                    raise
+                raise NotImplementedError(
+                    f"{type(op).__name__}: plain autograd's forward mode (torch.autograd.forward_ad.dual_level) "
+                    f"is not supported through te_func's FP8 layers; take forward-mode derivatives with "
+                    f"torch.func.jvp, jacfwd or hessian, which are (docs/functional.md)") from e
         zeros = {k: torch.zeros(shape, dtype=dtype, device=device)
                  for k, (shape, dtype, device) in ctx.zero_tangents.items() if k not in out_tangents}
         return tuple({**zeros, **out_tangents}.get(k) for k in op.outputs)
