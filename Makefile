@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: venv
+	$(VENV)/bin/ruff check te_func
 	$(PY) -m pytest -n 2 -q tests $(PYTEST_ARGS)
 
 demo: venv

@@ -41,8 +41,8 @@ from .checkpoint import checkpoint
 
 _compat.guard_cpu_loop_split()
 
-__all__ = ["distributed", "functional", "nn", "quant", "recipe", "convert", "fp8_pays", "autocast", "functional_call", "grad",
-           "init_workspaces", "value_and_grad", "workspace_spec", "validate_workspaces",
+__all__ = ["distributed", "functional", "nn", "quant", "recipe", "convert", "fp8_pays", "autocast", "functional_call",
+           "grad", "higher_order", "init_workspaces", "value_and_grad", "workspace_spec", "validate_workspaces",
            "upgrade_workspaces", "Stateful", "set_check_finite", "per_sample_grad",
            "per_sample_value_and_grad", "fold_workspaces", "stack_workspaces", "unstack_workspaces",
            "stack_module_state", "unstack_module_state", "freeze", "frozen_layers", "checkpoint"]

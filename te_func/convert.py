@@ -20,7 +20,7 @@ parameter): those GEMMs run in high precision.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -133,8 +133,8 @@ def _recipe_made_for(t: torch.Tensor) -> tuple[int, int] | None:
     if seen is not None and seen[0]() is t and seen[1] == t._version:
         return seen[2]
     value = tuple(t.tolist())
-    _fingerprints_seen[id(t)] = (weakref.ref(t, lambda _, k=id(t): _fingerprints_seen.pop(k, None)),
-                                 t._version, value)
+    key = id(t)
+    _fingerprints_seen[key] = (weakref.ref(t, lambda _: _fingerprints_seen.pop(key, None)), t._version, value)
     return value
 
 
@@ -282,7 +282,7 @@ def _validate(model, ws, recipe) -> tuple[dict, bool]:
 # torch.func.functional_call swaps the given tensors into the module's attributes for the
 # duration of the call: two threads calling it on one model would see each other's. Each
 # model's eager calls therefore take turns; compiled code reads its inputs, not the attributes.
-_locks: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_locks: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
 _locks_lock = threading.Lock()
 
 
@@ -356,8 +356,9 @@ def _refuse_second_differentiated_call(model, owners: dict, scopes: list, backwa
             continue
         again = sorted(path for i, path in layers.items() if i in scope.differentiated)
         if again:
+            layer = type(model.get_submodule(again[0])).__name__
             raise RuntimeError(
-                f"{type(model.get_submodule(again[0])).__name__} at {again[0] or '(root)'!r} ran in two tef.functional_calls inside one "
+                f"{layer} at {again[0] or '(root)'!r} ran in two tef.functional_calls inside one "
                 f"tef.grad under DelayedScaling: the second call reads the workspaces the first returned, so its "
                 f"backward amax would not reach the gradient history tef.grad records, and would be lost. Take "
                 f"tef.grad of one call per microbatch and pass new_ws from one to the next, or use tef.Stateful, "

@@ -124,7 +124,7 @@ _WEIGHTS_ONLY = ("the checkpoint has no workspace entries (workspaces.*): it hol
                  "strict=False, which loads the weights and makes fresh workspaces from them")
 
 
-def _after_load(shell: "Stateful", incompatible_keys):
+def _after_load(shell: Stateful, incompatible_keys):
     # A load_state_dict post-hook: it runs once the model below has its weights, so fresh
     # workspaces (a weights-only checkpoint) are made from the loaded weights. A strict load
     # then fails on the workspace entries reported missing here.

@@ -166,7 +166,7 @@ def _fsdp_forward_hooks_suspended(units):
         for m in units:
             state = fully_shard.state(m)
 
-            def kept(hooks):
+            def kept(hooks, state=state):
                 return OrderedDict((k, h) for k, h in hooks.items() if getattr(h, "__self__", None) is not state)
 
             pre, post = kept(m._forward_pre_hooks), kept(m._forward_hooks)

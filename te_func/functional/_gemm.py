@@ -63,7 +63,7 @@ class GemmStep:
 
     @classmethod
     def begin(cls, gemm: Gemm, weight: torch.Tensor, recipe, workspace: dict, is_first_microbatch,
-              update_state: bool | None = None, batch_scales: bool = False, prefix: str = "") -> "GemmStep":
+              update_state: bool | None = None, batch_scales: bool = False, prefix: str = "") -> GemmStep:
         gw = gemm.read(workspace, recipe, batch_scales)
         sink = None if gw.grad is None else gw.grad.record
         start = isinstance(recipe, DelayedScaling) and starts_step(is_first_microbatch, update_state)

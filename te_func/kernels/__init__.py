@@ -12,6 +12,7 @@ its fp32 sums.
 """
 import torch
 
+from . import dispatch
 from .dispatch import (activation, cast_from_partials, cast_kernels_available, delayed_record, delayed_update,
                        device_capability, fp8_capable, gelu_partials, norm_backward, norm_forward, partial_rows,
                        set_cast_kernels, tensorwise_cast, weight_only_mm)

@@ -6,4 +6,5 @@ from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .grouped_linear import GroupedLinear
 
-__all__ = ["TEModule", "Linear", "TransposedLinear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"]
+__all__ = ["TEModule", "Linear", "TransposedLinear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP",
+           "GroupedLinear"]

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch._C import _functorch
@@ -227,7 +228,7 @@ class _Replay(NamedTuple):
     prefix: str
 
 
-_last_calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_last_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _last_calls_lock = threading.Lock()
 
 

@@ -292,7 +292,8 @@ class FrozenLayerNormMLP(FrozenLayer):
         inp = self._tokens(inp)
         x = inp.reshape(-1, self.hidden_size)                                       # (tokens, hidden)
         (fc1, fc2), t = self._slots(x.shape[0])
-        op = LayerNormMLPFP8(fc1, fc2, _CONFIGS[self._norm_name], activation_spec(self.activation, self.activation_params))
+        op = LayerNormMLPFP8(fc1, fc2, _CONFIGS[self._norm_name],
+                             activation_spec(self.activation, self.activation_params))
         res = call_forward(op, x=x, ln_weight=self.layer_norm_weight,
                            ln_bias=self.layer_norm_bias, fc1_bias=self.fc1_bias,
                            fc2_bias=None if self.return_bias else self.fc2_bias, **t)

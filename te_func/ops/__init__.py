@@ -7,5 +7,6 @@ from .layernorm_linear import LayerNormLinearFP8
 from .layernorm_mlp import LayerNormMLPFP8
 from .linear import LinearFP8
 
-__all__ = ["GradContext", "call", "call_forward", "on_backward", "higher_order", "first_order_only", "backward_differentiable", "GemmConfig", "GemmSlot", "backward_gemm",
-           "forward_gemm", "LinearFP8", "LayerNormLinearFP8", "LayerNormMLPFP8", "GroupedLinearFP8"]
+__all__ = ["GradContext", "call", "call_forward", "on_backward", "higher_order", "first_order_only",
+           "backward_differentiable", "GemmConfig", "GemmSlot", "backward_gemm", "forward_gemm", "LinearFP8",
+           "LayerNormLinearFP8", "LayerNormMLPFP8", "GroupedLinearFP8"]

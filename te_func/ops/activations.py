@@ -15,8 +15,9 @@ argument: only clamped_swiglu takes any, `limit`, `alpha` and
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F

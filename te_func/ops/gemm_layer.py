@@ -70,7 +70,7 @@ class GemmConfig:
                              "for backward (save_input=False)")
 
     @classmethod
-    def of(cls, recipe, save_input: bool, weight_only: bool = False) -> "GemmConfig":
+    def of(cls, recipe, save_input: bool, weight_only: bool = False) -> GemmConfig:
         """The config `recipe` gives one GEMM (MMParams.use_split_accumulator -> fast_accum)."""
         mm = [getattr(recipe, f"fp8_gemm_{g}", None) for g in ("fprop", "dgrad", "wgrad")]
         fast = tuple(d if p is None else not p.use_split_accumulator for p, d in zip(mm, _DEFAULT_FAST_ACCUM))

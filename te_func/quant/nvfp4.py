@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 __all__ = ["E2M1_MAX", "E4M3_MAX", "BLOCK", "RHT_SIGNS", "global_encode_scale", "block_decode_scale",
            "block_encode_scale", "round_to_e2m1", "stochastic_round_to_e2m1", "pack_e2m1", "unpack_e2m1",
-           "e2m1_values", "E2M1_VALUES", "hadamard_transform", "philox4x32", "random_bytes", "rng_seed", "init_rng_state",
-           "advance_rng"]
+           "e2m1_values", "E2M1_VALUES", "hadamard_transform", "philox4x32", "random_bytes", "rng_seed",
+           "init_rng_state", "advance_rng"]
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0

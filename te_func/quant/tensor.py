@@ -41,7 +41,7 @@ class Quantized:
     # tensor-wise ones): where torch.compile (2.11) traces a frozen dataclass built with a default,
     # its compiled code re-reads the class's fields in Python before every call.
     @classmethod
-    def tensorwise(cls, data: torch.Tensor, scale_inv: torch.Tensor) -> "Quantized":
+    def tensorwise(cls, data: torch.Tensor, scale_inv: torch.Tensor) -> Quantized:
         """One scale for the whole tensor: `scale_inv` ()."""
         return cls(data, scale_inv, None, None, None)
 
@@ -84,7 +84,7 @@ class DelayedState(NamedTuple):
         """What a quantization writes its amax into: the history."""
         return self.amax_history
 
-    def with_record(self, record: torch.Tensor) -> "DelayedState":
+    def with_record(self, record: torch.Tensor) -> DelayedState:
         return DelayedState(record, self.scale)
 
 
@@ -100,7 +100,7 @@ class BatchAmax(NamedTuple):
     scale: torch.Tensor | None = None   # () float32: a per-sample call's
 
     @classmethod
-    def of(cls, amax: torch.Tensor, s: Scheme, per_sample: bool) -> "BatchAmax":
+    def of(cls, amax: torch.Tensor, s: Scheme, per_sample: bool) -> BatchAmax:
         scale = scale_from_amax(amax, s.fp8_max, s.amax_epsilon, s.power_2_scale) if per_sample else None
         return cls(amax, scale)
 
@@ -108,7 +108,7 @@ class BatchAmax(NamedTuple):
     def record(self) -> torch.Tensor:
         return self.amax
 
-    def with_record(self, record: torch.Tensor) -> "BatchAmax":
+    def with_record(self, record: torch.Tensor) -> BatchAmax:
         return BatchAmax(record, self.scale)
 
 
