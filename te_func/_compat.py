@@ -1,9 +1,13 @@
-"""The private torch internals te_func reads (torch.func's transform levels) and the one
-torch bug it works around (inductor's C++ loop split).
+"""The private torch internals te_func reads: torch.func's transform levels and wrappers, the
+autograd engine's running backward, and the one torch bug it works around (inductor's C++ loop
+split). torch.ops / torch.library registrations, torch._scaled_mm and dynamo's public-by-use
+hooks (allow_in_graph, mark_static_address) stay where they are used; the view(dtype) vmap
+rule lives in quant/_vmap_bitcast.py.
 
-Checked on torch 2.11 (the GPU machine) and 2.13 (CPU). A torch upgrade that moves
-them breaks here first: tests/test_higher_order.py runs every path through the first,
-tests/test_transforms.py compiles the models the second is for.
+Checked on torch 2.11 (the GPU machine) and 2.13 (CPU). A torch upgrade that moves them breaks
+here first: tests/test_higher_order.py, test_vmapped.py and test_stateful.py run every path
+through the functorch and engine calls, tests/test_transforms.py compiles the models the loop
+split guard is for.
 """
 from __future__ import annotations
 
@@ -13,7 +17,9 @@ import torch
 from torch._C import _functorch
 from torch._functorch import pyfunctorch
 
-__all__ = ["transform_levels", "base_tensor", "requires_grad", "forward_ad_active", "guard_cpu_loop_split"]
+__all__ = ["transform_levels", "current_level", "tensor_level", "is_wrapped", "is_batched", "is_grad_tracking",
+           "unwrap", "base_tensor", "requires_grad", "forward_ad_active", "functorch_disabled", "backward_task_id",
+           "queue_backward_callback", "guard_cpu_loop_split"]
 
 
 def transform_levels() -> list[str]:
@@ -22,6 +28,51 @@ def transform_levels() -> list[str]:
     kinds = {pyfunctorch.GradInterpreter: "grad", pyfunctorch.JvpInterpreter: "jvp",
              pyfunctorch.VmapInterpreter: "vmap", pyfunctorch.FunctionalizeInterpreter: "functionalize"}
     return [kinds.get(type(i), type(i).__name__) for i in pyfunctorch.retrieve_all_functorch_interpreters()]
+
+
+def current_level() -> int | None:
+    """The torch.func transform level code runs at now, None outside any."""
+    return _functorch.maybe_current_level()
+
+
+def tensor_level(t: torch.Tensor) -> int:
+    """The torch.func level that wraps `t` (-1 for a plain tensor)."""
+    return _functorch.maybe_get_level(t)
+
+
+def is_wrapped(t: torch.Tensor) -> bool:
+    """Whether `t` is wrapped by a torch.func transform (grad, vmap or jvp)."""
+    return _functorch.is_functorch_wrapped_tensor(t)
+
+
+def is_batched(t: torch.Tensor) -> bool:
+    """Whether `t`'s outermost wrapper is vmap's."""
+    return _functorch.is_batchedtensor(t)
+
+
+def is_grad_tracking(t: torch.Tensor) -> bool:
+    """Whether `t`'s outermost wrapper is a grad level's."""
+    return _functorch.is_gradtrackingtensor(t)
+
+
+def unwrap(t: torch.Tensor) -> torch.Tensor:
+    """`t` without its outermost torch.func wrapper."""
+    return _functorch.get_unwrapped(t)
+
+
+def functorch_disabled():
+    """A context in which torch.func's transforms see nothing (a kernel launch on plain tensors)."""
+    return torch._C._DisableFuncTorch()
+
+
+def backward_task_id() -> int:
+    """The id of the autograd backward running now, -1 outside one."""
+    return torch._C._current_graph_task_id()
+
+
+def queue_backward_callback(fn) -> None:
+    """Runs `fn` when the running backward ends."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 def base_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import distributed
+from . import _compat, distributed
 from .functional._common import first_microbatch
 from .nn import TEModule
 from .nn.context import NO_CACHE, CallScope, Frame, open_call_scopes, push, push_call_scope
@@ -127,7 +127,7 @@ _fingerprints_seen: dict[int, tuple] = {}
 def _recipe_made_for(t: torch.Tensor) -> tuple[int, int] | None:
     """(format version, fingerprint) stored in a RECIPE_KEY entry, or None where it cannot be
     read without breaking a transform (under torch.compile, inside vmap over stacked workspaces)."""
-    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t):
+    if torch.compiler.is_compiling() or _compat.is_wrapped(t):
         return None
     seen = _fingerprints_seen.get(id(t))
     if seen is not None and seen[0]() is t and seen[1] == t._version:

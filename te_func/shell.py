@@ -12,8 +12,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import distributed
-from . import _compat
+from . import _compat, distributed
 from .frame import (backward_keys, backward_weights, functional_call, init_workspaces, keeps_weight_casts,
                     mark_static, upgrade_workspaces, workspace_spec)
 from .nn import TEModule
@@ -100,10 +99,10 @@ def _merge_when_backward_ends(shell_ref, grad=None):
     shell = shell_ref()
     if shell is None:
         return
-    task = torch._C._current_graph_task_id()
+    task = _compat.backward_task_id()
     if shell._merge_queued_for != task:      # once per backward
         shell._merge_queued_for = task
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_merge_now, shell_ref))
+        _compat.queue_backward_callback(functools.partial(_merge_now, shell_ref))
 
 
 def _merge_now(shell_ref):

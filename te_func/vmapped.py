@@ -50,6 +50,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from . import _compat
 from .frame import batch_scope_spec, init_workspaces, validate_workspaces, value_and_grad, workspace_spec
 from .nn.context import CallScope, push_call_scope
 from .quant.workspace import RECIPE_ENTRY, RECIPE_KEY
@@ -244,9 +245,9 @@ def _check_shared(shared: dict):
     # batching levels to ask about).
     if torch.compiler.is_compiling():
         return
-    level = torch._C._functorch.maybe_current_level()
+    level = _compat.current_level()
     for k, v in shared.items():
-        if torch._C._functorch.is_batchedtensor(v) and torch._C._functorch.maybe_get_level(v) == level:
+        if _compat.is_batched(v) and _compat.tensor_level(v) == level:
             raise ValueError(f"per_sample_grad: workspace entry {k!r} differs between samples, though it is "
                              f"computed from what every sample shares (parameters and workspaces): params "
                              f"and ws must be the same for every sample")
@@ -256,7 +257,7 @@ def _check_additive(batch: dict, folded: dict):
     # Reading the amaxes waits for the device, and compiled or transformed code has no values
     # to branch on: checked in eager mode only.
     if not batch or torch.compiler.is_compiling() or any(
-            torch._C._functorch.is_functorch_wrapped_tensor(v) for v in folded.values()):
+            _compat.is_wrapped(v) for v in folded.values()):
         return
     above = torch.stack([folded[k] > given * (1 + _ADDITIVE_SLACK) for k, given in batch.items()])
     if not bool(above.any()):       # one wait for the device

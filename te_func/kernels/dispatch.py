@@ -36,7 +36,8 @@ import functools
 import os
 
 import torch
-from torch._C import _functorch
+
+from .. import _compat
 
 __all__ = ["activation", "cast_from_partials", "cast_kernels_available", "delayed_record", "delayed_update",
            "device_capability", "fp8_capable", "gelu_partials", "norm_backward", "norm_forward", "partial_rows",
@@ -111,10 +112,10 @@ def _plain(t: torch.Tensor) -> torch.Tensor | None:
     """The plain tensor under torch.func.grad's wrappers, or None when it is batched (vmap),
     fake (tracing) or a subclass other than Parameter. A cast is not differentiable, so dropping
     grad tracking changes nothing; autograd Functions' backward receives such wrapped gradients."""
-    while _functorch.is_functorch_wrapped_tensor(t):
-        if not _functorch.is_gradtrackingtensor(t):
+    while _compat.is_wrapped(t):
+        if not _compat.is_grad_tracking(t):
             return None
-        t = _functorch.get_unwrapped(t)
+        t = _compat.unwrap(t)
     # A Parameter (an nn.Module's bias reaching an op as is) is a plain tensor with a flag.
     return t if type(t) in (torch.Tensor, torch.nn.Parameter) else None
 
@@ -174,7 +175,7 @@ def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_ep
         return None
     # Inside torch.func.grad every op would wrap its output again: the kernels' tensors
     # are made with functorch's dispatch off, and mix with wrapped ones as constants.
-    with torch._C._DisableFuncTorch():
+    with _compat.functorch_disabled():
         x_plain = _plain(x)
         scale_plain = None if scale is None else _plain(scale)
         amax_plain = None if amax is None else _plain(amax)
@@ -293,7 +294,7 @@ def activation(x: torch.Tensor, act: str, y: torch.Tensor | None = None, column_
     if not _applies(x) or x.dim() != 2 or (y is not None and (y.shape != x.shape or y.dtype != x.dtype)) \
             or (bias is not None and (bias.shape != x.shape[-1:] or bias.dtype != x.dtype)) or _cast_module() is None:
         return None
-    with torch._C._DisableFuncTorch():
+    with _compat.functorch_disabled():
         plain = _plain_all(x, y, bias)
         if plain is None:
             return None
@@ -323,7 +324,7 @@ def norm_forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None
     the row statistics summed in the kernel's order (te_func.kernels.norm)."""
     if not _norm_applies(x):
         return None
-    with torch._C._DisableFuncTorch():
+    with _compat.functorch_disabled():
         plain = _plain_all(x, gamma, beta)
         if plain is None:
             return None
@@ -341,7 +342,7 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, 
     (hidden,) fp32. Returns (dx in x's dtype, dgamma (hidden,) fp32, dbeta (hidden,) fp32)."""
     if not _norm_applies(x) or dy.shape != x.shape or dy.dtype not in _INPUT_DTYPES:
         return None
-    with torch._C._DisableFuncTorch():
+    with _compat.functorch_disabled():
         plain = _plain_all(dy, x, mean, rsigma, gamma)
         if plain is None:
             return None
@@ -364,7 +365,7 @@ def _delayed(history: torch.Tensor, other: torch.Tensor, launch):
     module = _delayed_module()
     if module is None or history.numel() > module.MAX_HISTORY:
         return None
-    with torch._C._DisableFuncTorch():
+    with _compat.functorch_disabled():
         plain = _plain_all(history, other)
         if plain is None:
             return None

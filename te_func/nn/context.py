@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-from torch._C import _functorch
+
+from .. import _compat
 
 from ..quant.workspace import keeps_rng
 from ..recipe import DelayedScaling
@@ -46,7 +47,7 @@ def transform_level() -> int | None:
     while torch.compile traces (dynamo tracks the transforms itself there)."""
     if torch.compiler.is_compiling():
         return None
-    return _functorch.maybe_current_level()
+    return _compat.current_level()
 
 
 @dataclass
@@ -245,7 +246,7 @@ def _replay(module) -> Binding | None:
     # Traced, a checkpoint's recompute is part of the graph and nothing was remembered (`_remember`);
     # torch 2.11's dynamo cannot trace the task id either (a module outside any frame, such as a
     # frozen model's norm, would break the graph).
-    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:    # or not in a backward
+    if torch.compiler.is_compiling() or _compat.backward_task_id() == -1:    # or not in a backward
         return None
     with _last_calls_lock:
         last = _last_calls.get(module)
@@ -270,7 +271,7 @@ def _check_level(frame: Frame, layer: str, path: str, entries: dict):
         return
     outer = -1 if frame.level is None else frame.level
     for name, t in entries.items():
-        if isinstance(t, torch.Tensor) and _functorch.maybe_get_level(t) > outer:
+        if isinstance(t, torch.Tensor) and _compat.tensor_level(t) > outer:
             raise RuntimeError(
                 f"{layer} at {path or '(root)'!r} ran inside a torch.func transform (vmap, grad, ...) "
                 f"opened inside the model's forward, so its new workspace entry {name!r} belongs to that "

@@ -8,6 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..kernels import cast_from_partials, delayed_record, partial_rows, tensorwise_cast
+from .. import _compat
 from . import nvfp4
 from .scheme import Scheme, e8m0_scale_inv, e8m0_to_float, scale_from_amax, scheme_for
 
@@ -123,15 +124,14 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> torch.Tensor:
 def batched_by_vmap(t: torch.Tensor) -> bool:
     """Whether `t` is batched by a torch.func.vmap. Under vmap(grad(f)) a backward sees the
     batched tensor wrapped in grad's wrapper, which `is_batchedtensor` does not look through."""
-    functorch = torch._C._functorch
     if torch.compiler.is_dynamo_compiling():
         # Dynamo cannot trace the unwrapping below; the code it traces directly (a frozen
         # model's forward) has no grad wrapper to look through.
-        return functorch.is_batchedtensor(t)
-    while functorch.is_functorch_wrapped_tensor(t):
-        if functorch.is_batchedtensor(t):
+        return _compat.is_batched(t)
+    while _compat.is_wrapped(t):
+        if _compat.is_batched(t):
             return True
-        t = functorch.get_unwrapped(t)
+        t = _compat.unwrap(t)
     return False
 
 
