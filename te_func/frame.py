@@ -359,8 +359,8 @@ def _refuse_second_differentiated_call(model, owners: dict, scopes: list, backwa
             layer = type(model.get_submodule(again[0])).__name__
             raise RuntimeError(
                 f"{layer} at {again[0] or '(root)'!r} ran in two tef.functional_calls inside one "
-                f"tef.grad under DelayedScaling: the second call reads the workspaces the first returned, so its "
-                f"backward amax would not reach the gradient history tef.grad records, and would be lost. Take "
+                f"tef.grad under DelayedScaling: autograd would lose the second call's backward amax (workspaces "
+                f"the first returned) or add it to the first's (the same workspaces), where TE keeps their max. Take "
                 f"tef.grad of one call per microbatch and pass new_ws from one to the next, or use tef.Stateful, "
                 f"which records every call's backward amax")
         scope.differentiated.update(layers)
