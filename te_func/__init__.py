@@ -21,13 +21,15 @@ The package's layers, each importing only those below it:
                  and the workspace format (quant/workspace.py)
     kernels/     fused Triton casts (and the GELU's pass) for eager CUDA tensors, bit-identical to the torch code
     recipe.py    the recipes: frozen, hashable dataclasses
+    errors.py    one class per misuse te_func detects (imported by any layer)
 
 Promises: nothing passed to a functional call is mutated; the same inputs give
 the same outputs; compiled results equal eager ones; a workspace made for
 another recipe, or with entries another model's layers would have, is refused
 with an error naming the entry.
 """
-from . import _compat, distributed, functional, nn, quant, recipe
+from . import _compat, distributed, errors, functional, nn, quant, recipe
+from .errors import Error
 from .convert import convert, fp8_pays
 from .frame import (autocast, functional_call, grad, init_workspaces, upgrade_workspaces, validate_workspaces,
                     value_and_grad, workspace_spec)
@@ -39,10 +41,10 @@ from .vmapped import (fold_workspaces, per_sample_grad, per_sample_value_and_gra
 from .freeze import freeze, frozen_layers
 from .checkpoint import checkpoint
 
-_compat.guard_cpu_loop_split()
+_compat.guard_cpu_loop_split_at_compile()
 
-__all__ = ["distributed", "functional", "nn", "quant", "recipe", "convert", "fp8_pays", "autocast", "functional_call",
-           "grad", "higher_order", "init_workspaces", "value_and_grad", "workspace_spec", "validate_workspaces",
-           "upgrade_workspaces", "Stateful", "set_check_finite", "per_sample_grad",
+__all__ = ["Error", "errors", "distributed", "functional", "nn", "quant", "recipe", "convert", "fp8_pays", "autocast",
+           "functional_call", "grad", "higher_order", "init_workspaces", "value_and_grad", "workspace_spec",
+           "validate_workspaces", "upgrade_workspaces", "Stateful", "set_check_finite", "per_sample_grad",
            "per_sample_value_and_grad", "fold_workspaces", "stack_workspaces", "unstack_workspaces",
            "stack_module_state", "unstack_module_state", "freeze", "frozen_layers", "checkpoint"]

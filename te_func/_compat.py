@@ -19,7 +19,7 @@ from torch._functorch import pyfunctorch
 
 __all__ = ["transform_levels", "current_level", "tensor_level", "is_wrapped", "is_batched", "is_grad_tracking",
            "unwrap", "base_tensor", "requires_grad", "forward_ad_active", "functorch_disabled", "backward_task_id",
-           "queue_backward_callback", "guard_cpu_loop_split"]
+           "queue_backward_callback", "guard_cpu_loop_split", "guard_cpu_loop_split_at_compile"]
 
 
 def transform_levels() -> list[str]:
@@ -97,6 +97,16 @@ def forward_ad_active() -> bool:
     """Whether plain autograd's forward mode (torch.autograd.forward_ad.dual_level) is on."""
     return torch.autograd.forward_ad._current_level >= 0
 
+
+def guard_cpu_loop_split_at_compile() -> None:
+    """`guard_cpu_loop_split` at the start of every torch.compile, rather than now: inductor's
+    C++ codegen is imported by then, and importing it for te_func would cost a quarter second."""
+    try:
+        from torch._dynamo.callback import on_compile_start
+    except ImportError:
+        guard_cpu_loop_split()
+        return
+    on_compile_start(lambda *_: guard_cpu_loop_split())
 
 
 def guard_cpu_loop_split() -> None:

@@ -36,6 +36,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from . import _compat
+from .errors import DerivativeError
 from .nn import TEModule
 from .ops import backward_differentiable, first_order_only
 from .nn.context import Frame, current_frame, push, transform_level
@@ -196,12 +197,12 @@ class _Checkpoint(torch.autograd.Function):
         recompute_ws = [g if k in block.as_given else n for k, g, n in zip(block.keys, given, new)]
         ctx.save_for_backward(*args, *params, *recompute_ws)
         if "jvp" in _compat.transform_levels():
-            raise NotImplementedError(
+            raise DerivativeError(
                 "tef.checkpoint: forward-mode derivatives (torch.func.jvp, jacfwd, hessian) of a checkpointed "
                 "block were asked for: it recomputes for reverse mode only. Call the block without "
                 "tef.checkpoint there; te_func's layers take forward mode")
         if backward_differentiable((*args, *params))[1]:
-            raise NotImplementedError(
+            raise DerivativeError(
                 "tef.checkpoint: a derivative of a checkpointed block's backward was asked for (a second "
                 "derivative, a Hessian, MAML's meta-gradient): the recompute cannot give one. Call the block "
                 "without tef.checkpoint there; te_func's layers take any order of derivative")

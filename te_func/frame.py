@@ -14,22 +14,21 @@ import torch
 from torch import nn
 
 from . import _compat, distributed
+from .errors import (EntryMismatchError, MissingEntryError, RecipeMismatchError, TransformError, UnknownEntryError,
+                     WorkspaceError)
 from .functional._common import first_microbatch
 from .nn import TEModule
 from .nn.context import NO_CACHE, CallScope, Frame, open_call_scopes, push, push_call_scope
+from .quant import lower
 from .quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, Entry, fingerprint_entry, is_cast_key
-from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling,
-                     fingerprint)
+from .recipe import RECIPES, fingerprint
 
 __all__ = ["init_workspaces", "functional_call", "autocast", "grad", "value_and_grad", "workspace_spec",
            "batch_scope_spec", "validate_workspaces", "keeps_weight_casts", "backward_keys", "upgrade_workspaces"]
 
-_RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling)
-
-
 def _check_recipe(recipe):
-    if recipe is not None and not isinstance(recipe, _RECIPES):
-        raise TypeError(f"recipe must be None or a te_func.recipe recipe ({', '.join(r.__name__ for r in _RECIPES)}), "
+    if recipe is not None and not isinstance(recipe, RECIPES):
+        raise TypeError(f"recipe must be None or a te_func.recipe recipe ({', '.join(r.__name__ for r in RECIPES)}), "
                         f"got {recipe!r}")
 
 
@@ -76,7 +75,7 @@ def backward_weights(model: nn.Module, recipe) -> dict[str, torch.Tensor]:
     _check_recipe(recipe)
     return {_prefix(path) + k: getattr(m, g.weight, None)
             for path, m in _te_modules(model) for g in m.gemms()
-            for k, e in g.entries(m.gemm_weight(g.weight).shape, recipe).items() if e.backward}
+            for k, e in lower(recipe).entries(g, m.gemm_weight(g.weight).shape).items() if e.backward}
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -138,34 +137,37 @@ def _recipe_made_for(t: torch.Tensor) -> tuple[int, int] | None:
     return value
 
 
-def _layout_problem(ws: dict) -> str | None:
+def _layout_problem(ws: dict) -> EntryMismatchError | None:
     """What is wrong with how `ws` is batched, read from its RECIPE_KEY entry, or None."""
     t = ws.get(RECIPE_KEY)
     if not isinstance(t, torch.Tensor):
         return None
     if t.dim() == 2 and tuple(t.shape[1:]) == RECIPE_ENTRY.shape:
-        return (f"these workspaces are stacked ({t.shape[0]} sets along dim 0, as tef.stack_module_state "
+        return EntryMismatchError(
+                f"these workspaces are stacked ({t.shape[0]} sets along dim 0, as tef.stack_module_state "
                 f"makes for an ensemble): call tef.functional_call on them under torch.func.vmap with in_dims "
                 f"0 over the workspaces, take the sets apart with tef.unstack_workspaces, or, for per-sample "
-                f"workspaces, fold them with tef.fold_workspaces")
+                f"workspaces, fold them with tef.fold_workspaces", entry=RECIPE_KEY, expected=RECIPE_ENTRY.shape,
+                got=tuple(t.shape))
     return None
 
 
-def _made_for_problem(ws: dict, recipe) -> tuple[type, str] | None:
+def _made_for_problem(ws: dict, recipe) -> WorkspaceError | None:
     """What is wrong with the RECIPE_KEY entry of `ws` for `recipe`, or None."""
     t = ws.get(RECIPE_KEY)
     if t is None:
         old = [k for k in ws if k.startswith("te_func.recipe=")]
         if old:
-            return ValueError, (f"these workspaces were written by te_func 0.1 (workspace format 1, made for "
-                                f"{old[0][len('te_func.recipe='):]}); convert them with "
-                                f"tef.upgrade_workspaces(old_ws, model, recipe) or make new ones with "
-                                f"tef.init_workspaces(model, recipe)")
-        return KeyError, (f"workspace entry {RECIPE_KEY!r} is missing: these are not workspaces from "
-                          f"tef.init_workspaces(model, recipe)")
+            return RecipeMismatchError(f"these workspaces were written by te_func 0.1 (workspace format 1, made "
+                                       f"for {old[0][len('te_func.recipe='):]}); convert them with "
+                                       f"tef.upgrade_workspaces(old_ws, model, recipe) or make new ones with "
+                                       f"tef.init_workspaces(model, recipe)", recipe=recipe)
+        return MissingEntryError(f"workspace entry {RECIPE_KEY!r} is missing: these are not workspaces from "
+                                 f"tef.init_workspaces(model, recipe)", entry=RECIPE_KEY)
     if tuple(t.shape) != RECIPE_ENTRY.shape or t.dtype != RECIPE_ENTRY.dtype:
-        return ValueError, (f"workspace entry {RECIPE_KEY!r} has shape {tuple(t.shape)} and dtype {t.dtype}, "
-                            f"not {RECIPE_ENTRY.shape} int64: not a te_func workspace")
+        return EntryMismatchError(f"workspace entry {RECIPE_KEY!r} has shape {tuple(t.shape)} and dtype {t.dtype}, "
+                                  f"not {RECIPE_ENTRY.shape} int64: not a te_func workspace", entry=RECIPE_KEY,
+                                  expected=(RECIPE_ENTRY.shape, RECIPE_ENTRY.dtype), got=(tuple(t.shape), t.dtype))
     made_for = _recipe_made_for(t)
     if made_for is None:
         return None
@@ -173,18 +175,19 @@ def _made_for_problem(ws: dict, recipe) -> tuple[type, str] | None:
     if version != FORMAT_VERSION:
         how = ("convert them with tef.upgrade_workspaces(ws, model, recipe)" if version in _UPGRADABLE
                else "make new ones with tef.init_workspaces(model, recipe)")
-        return ValueError, (f"these workspaces are in te_func's workspace format {version}; this te_func reads "
-                            f"format {FORMAT_VERSION}: {how}")
+        return RecipeMismatchError(f"these workspaces are in te_func's workspace format {version}; this te_func "
+                                   f"reads format {FORMAT_VERSION}: {how}", recipe=recipe)
     if fp != fingerprint(recipe):
-        return ValueError, (f"these workspaces were made for another recipe (or other recipe options) than "
-                            f"{recipe!r}: make them with tef.init_workspaces(model, recipe) for the recipe you "
-                            f"run with, or, for a checkpoint, load the weights alone (Stateful.load_state_dict "
-                            f"with strict=False makes fresh workspaces)")
+        return RecipeMismatchError(f"these workspaces were made for another recipe (or other recipe options) than "
+                                   f"{recipe!r}: make them with tef.init_workspaces(model, recipe) for the recipe "
+                                   f"you run with, or, for a checkpoint, load the weights alone "
+                                   f"(Stateful.load_state_dict with strict=False makes fresh workspaces)",
+                                   recipe=recipe)
     return None
 
 
 def _entry_problems(model, ws, recipe, owners: dict, dropped: set):
-    """Yields (exception class, message) for each entry of `ws` that does not fit `model`
+    """Yields a WorkspaceError for each entry of `ws` that does not fit `model`
     under `recipe`; fills `owners` with {id(module): (path, entry names, those backward reads as given)}
     and `dropped` with the kinds of entries the model has and `ws` holds none of ("cast", "batch_amax")."""
     expected = {RECIPE_KEY}
@@ -209,26 +212,28 @@ def _entry_problems(model, ws, recipe, owners: dict, dropped: set):
             expected.add(entry)
             t = ws.get(entry)
             if t is None and e.kind == "batch_amax":
-                yield KeyError, (f"workspace entry {entry!r} is missing: batch-scope entries come all together "
-                                 f"(tef.per_sample_grad(..., scope='batch') adds them for one call)")
+                yield MissingEntryError(f"workspace entry {entry!r} is missing: batch-scope entries come all "
+                                        f"together (tef.per_sample_grad(..., scope='batch') adds them for one call)",
+                                        entry=entry, layer=path)
             elif t is None:
-                yield KeyError, (f"workspace entry {entry!r} is missing: these workspaces were not made for "
-                                 f"this model (tef.init_workspaces(model, recipe) makes the right ones)"
-                                 + ("; weight casts come all together, or none at all (weight_cache=False)"
-                                    if e.kind == "cast" else ""))
+                yield MissingEntryError(f"workspace entry {entry!r} is missing: these workspaces were not made for "
+                                        f"this model (tef.init_workspaces(model, recipe) makes the right ones)"
+                                        + ("; weight casts come all together, or none at all (weight_cache=False)"
+                                           if e.kind == "cast" else ""), entry=entry, layer=path)
             elif tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
-                yield ValueError, (f"workspace entry {entry!r} has shape {tuple(t.shape)} and dtype {t.dtype}, "
-                                   f"but {type(m).__name__} at {path or '(root)'!r} needs {tuple(e.shape)} "
-                                   f"{e.dtype}: {_shape_hint(tuple(t.shape), e)}")
+                yield EntryMismatchError(f"workspace entry {entry!r} has shape {tuple(t.shape)} and dtype {t.dtype}, "
+                                         f"but {type(m).__name__} at {path or '(root)'!r} needs {tuple(e.shape)} "
+                                         f"{e.dtype}: {_shape_hint(tuple(t.shape), e)}", entry=entry, layer=path,
+                                         expected=(tuple(e.shape), e.dtype), got=(tuple(t.shape), t.dtype))
             elif device is not None and t.device != device:
-                yield ValueError, (f"workspace entry {entry!r} is on {t.device} but {type(m).__name__} at "
-                                   f"{path or '(root)'!r} is on {device}: move the workspaces "
-                                   f"({{k: v.to(device) for k, v in ws.items()}}) or make them after "
-                                   f"model.to(device)")
+                yield EntryMismatchError(f"workspace entry {entry!r} is on {t.device} but {type(m).__name__} at "
+                                         f"{path or '(root)'!r} is on {device}: move the workspaces "
+                                         f"({{k: v.to(device) for k, v in ws.items()}}) or make them after "
+                                         f"model.to(device)", entry=entry, layer=path, expected=device, got=t.device)
     extra = sorted(set(ws) - expected)
     if extra:
-        yield KeyError, (f"workspace entries {extra[:5]} belong to no te_func layer of this model: these "
-                         f"workspaces were made for another model")
+        yield UnknownEntryError(f"workspace entries {extra[:5]} belong to no te_func layer of this model: these "
+                                f"workspaces were made for another model", entries=extra)
 
 
 def _shape_hint(got: tuple, e) -> str:
@@ -266,16 +271,16 @@ def _validate(model, ws, recipe) -> tuple[dict, bool]:
     _check_recipe(recipe)
     layout = _layout_problem(ws)
     if layout is not None:
-        raise ValueError(layout)
+        raise layout
     owners, dropped = {}, set()
     first_entry = next(_entry_problems(model, ws, recipe, owners, dropped), None)
     made_for = _made_for_problem(ws, recipe)
     if made_for is not None:
-        cls, msg = made_for
-        raise cls(msg + (f" ({first_entry[1]})" if first_entry is not None else ""))
+        if first_entry is not None:     # the recipe first, then what else does not fit
+            made_for.args = (f"{made_for.args[0]} ({first_entry.args[0]})",)
+        raise made_for
     if first_entry is not None:
-        cls, msg = first_entry
-        raise cls(msg)
+        raise first_entry
     return owners, "cast" not in dropped
 
 
@@ -357,12 +362,12 @@ def _refuse_second_differentiated_call(model, owners: dict, scopes: list, backwa
         again = sorted(path for i, path in layers.items() if i in scope.differentiated)
         if again:
             layer = type(model.get_submodule(again[0])).__name__
-            raise RuntimeError(
+            raise TransformError(
                 f"{layer} at {again[0] or '(root)'!r} ran in two tef.functional_calls inside one "
                 f"tef.grad under DelayedScaling: autograd would lose the second call's backward amax (workspaces "
                 f"the first returned) or add it to the first's (the same workspaces), where TE keeps their max. Take "
                 f"tef.grad of one call per microbatch and pass new_ws from one to the next, or use tef.Stateful, "
-                f"which records every call's backward amax")
+                f"which records every call's backward amax", layer=again[0])
         scope.differentiated.update(layers)
 
 
@@ -508,7 +513,8 @@ def upgrade_workspaces(old: dict, model: nn.Module, recipe) -> dict:
         if version != 2:
             raise ValueError(f"upgrade_workspaces: these workspaces are in format {version}, not 1 or 2")
         if fp != fingerprint(recipe):
-            raise ValueError(f"upgrade_workspaces: these workspaces were made for another recipe than {recipe!r}")
+            raise RecipeMismatchError(f"upgrade_workspaces: these workspaces were made for another recipe than "
+                                      f"{recipe!r}", recipe=recipe)
         new = {k: v.view(torch.uint8).clone() if v.dtype == torch.float8_e8m0fnu else v.clone()
                for k, v in old.items() if k != RECIPE_KEY}
         new[RECIPE_KEY] = fingerprint_entry(recipe, t.device)
@@ -519,8 +525,8 @@ def upgrade_workspaces(old: dict, model: nn.Module, recipe) -> dict:
         raise ValueError("upgrade_workspaces: these are not te_func workspaces of an earlier format (neither a "
                          f"{RECIPE_KEY!r} entry nor format 1's 'te_func.recipe=...' entry)")
     if made_for[0] != _format1_repr(recipe):
-        raise ValueError(f"upgrade_workspaces: these workspaces were made for {made_for[0]}, not "
-                         f"{_format1_repr(recipe)}")
+        raise RecipeMismatchError(f"upgrade_workspaces: these workspaces were made for {made_for[0]}, not "
+                                  f"{_format1_repr(recipe)}", recipe=recipe)
     spec = workspace_spec(model, recipe)
     device = _device_of(model)
     # Entries kept as they were: casts, states; dropped: the recipe and made_by= markers, and

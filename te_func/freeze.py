@@ -19,12 +19,12 @@ import copy
 import torch
 from torch import nn
 
+from .errors import RecipeMismatchError
 from .frame import _check_recipe, validate_workspaces
 from .functional._gemm import GemmStep
 from .nn import TEModule
 from .nn.frozen import FROZEN_LAYERS, FrozenLayer
-from .quant import Quantized
-from .recipe import DelayedScaling
+from .quant import Quantized, lower
 from .shell import Stateful
 
 __all__ = ["freeze", "frozen_layers"]
@@ -66,13 +66,13 @@ def _frozen(path: str, source: TEModule, skeleton: nn.Module, recipe, ws: dict |
             weight_only_tokens: int) -> FrozenLayer:
     """The frozen form of `source`, its non-GEMM parameters taken from `skeleton` (its copy)."""
     prefix = f"{path}." if path else ""
-    casts, scales, meta = {}, {}, {}
+    casts, scales, meta, lowering = {}, {}, {}, lower(recipe)
     for g in source.gemms():
         weight = source.gemm_weight(g.weight)
         _check_finite(path, g.weight, weight)
         # The cast and scale exactly as the cached-weight forward reads them: its own code path.
         local = {k[len(prefix):]: v for k, v in ws.items() if k.startswith(prefix)} if ws is not None \
-            else g.write(g.init(weight, recipe), recipe)
+            else lowering.write(g, lowering.init(g, weight))
         step = GemmStep.begin(g, weight, recipe, local, False, update_state=False)
         cast = step.state.cast.rowwise
         amax = None if cast.global_amax is None else _own(cast.global_amax, device)
@@ -106,7 +106,7 @@ def freeze(model: nn.Module, recipe, *, workspaces: dict | None = None, device=N
     """
     if isinstance(model, Stateful):
         if recipe != model.recipe:
-            raise ValueError(f"tef.freeze: the shell runs {model.recipe!r}, not {recipe!r}")
+            raise RecipeMismatchError(f"tef.freeze: the shell runs {model.recipe!r}, not {recipe!r}", recipe=recipe)
         workspaces = model.workspaces if workspaces is None else workspaces
         model = model.model
     if not isinstance(model, nn.Module):
@@ -130,7 +130,7 @@ def freeze(model: nn.Module, recipe, *, workspaces: dict | None = None, device=N
     on_meta = any(p.device.type == "meta" for p in model.parameters())
     if workspaces is not None:
         validate_workspaces(model, workspaces, recipe)
-    elif isinstance(recipe, DelayedScaling) and not on_meta:
+    elif lower(recipe).keeps_history and not on_meta:
         raise ValueError("tef.freeze: under DelayedScaling the scales live in the workspaces: pass the "
                          "model's, tef.freeze(model, recipe, workspaces=ws) (a training step's new_ws, or "
                          "shell.workspaces; tef.freeze(shell, recipe) takes them from a tef.Stateful)")

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import _compat, distributed
+from .errors import FrozenModelError, TransformError
 from .frame import (backward_keys, backward_weights, functional_call, init_workspaces, keeps_weight_casts,
                     mark_static, upgrade_workspaces, workspace_spec)
 from .nn import TEModule
@@ -163,7 +164,7 @@ class Stateful(nn.Module):
     def __init__(self, model: nn.Module, recipe, *, amax_group=None, weight_cache: bool = True):
         super().__init__()
         if any(isinstance(m, FrozenLayer) for m in model.modules()):
-            raise ValueError(f"tef.Stateful: {type(model).__name__} is frozen (tef.freeze): it holds FP8 weight "
+            raise FrozenModelError(f"tef.Stateful: {type(model).__name__} is frozen (tef.freeze): it holds FP8 weight "
                              f"casts for inference and nothing to train or keep state for; call it directly "
                              f"(frozen(x)), or wrap the trained model it was frozen from")
         if recipe is not None and not any(isinstance(m, TEModule) for m in model.modules()):
@@ -283,13 +284,13 @@ class Stateful(nn.Module):
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             first = next(iter(params.values()), None)
             if first is not None and first.is_inference():
-                raise RuntimeError("tef.Stateful: the model's parameters were made under torch.inference_mode() "
+                raise TransformError("tef.Stateful: the model's parameters were made under torch.inference_mode() "
                                    "(inference tensors), which autograd cannot train: build the model outside "
                                    "inference_mode to train it, or call the shell under inference_mode only")
         ws, watch = self._workspaces, None
         compiling = torch.compiler.is_compiling()
-        if self._backward_keys and torch.is_grad_enabled() and not compiling and _compat.transform_levels():
-            raise RuntimeError(
+        if self._backward_keys and torch.is_grad_enabled() and not compiling and _compat.current_level() is not None:
+            raise TransformError(
                 f"tef.Stateful under {type(self.recipe).__name__} records backward amaxes through autograd hooks, "
                 f"which torch.func transforms ({', '.join(_compat.transform_levels())}) do not run: call the model "
                 f"with tef.functional_call there and thread its workspaces (docs/functional.md), or evaluate "

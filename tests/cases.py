@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 import te_func as tef
-from te_func.quant.workspace import keeps_rng
+from te_func.quant import lower
 from te_func.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                             NVFP4BlockScaling)
 
@@ -154,7 +154,7 @@ except ImportError:      # the test extra installs transformers; without it thes
 def needs_state(recipe) -> bool:
     """Whether `recipe` keeps state between steps, so it cannot run under tef.autocast: DelayedScaling's
     amax histories, the random streams of NVFP4's stochastic rounding."""
-    return isinstance(recipe, DelayedScaling) or keeps_rng(recipe)
+    return isinstance(recipe, DelayedScaling) or lower(recipe).keeps_rng
 
 
 def is_fp4(recipe) -> bool:

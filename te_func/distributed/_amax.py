@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..recipe import DelayedScaling
+from ..quant import lower
 
 __all__ = ["amax_reduction_group", "reduce_amax_slots"]
 
@@ -36,7 +36,7 @@ def amax_reduction_group(recipe, amax_group=None):
         raise RuntimeError(f"amax_group={amax_group!r} was given but torch.distributed is not initialized: call "
                            f"torch.distributed.init_process_group(...) first, or pass amax_group=None in a "
                            f"single process")
-    if not isinstance(recipe, DelayedScaling) or not recipe.reduce_amax:
+    if not lower(recipe).keeps_history or not recipe.reduce_amax:
         return None
     if amax_group is None:
         return dist.group.WORLD if _initialized() and dist.get_world_size() > 1 else None

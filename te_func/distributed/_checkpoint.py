@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..nn import TEModule
-from ..recipe import DelayedScaling
+from ..quant import lower
 from ._amax import amax_reduction_group
 
 __all__ = ["state_dict", "load_state_dict"]
@@ -31,7 +31,7 @@ _WS = "workspaces."
 
 def _per_rank_keys(shell) -> list[str]:
     """The workspace entries that differ between ranks: DelayedScaling state without reduction."""
-    if not isinstance(shell.recipe, DelayedScaling) or not (dist.is_available() and dist.is_initialized()):
+    if not lower(shell.recipe).keeps_history or not (dist.is_available() and dist.is_initialized()):
         return []
     if dist.get_world_size() == 1 or amax_reduction_group(shell.recipe, shell.amax_group) is not None:
         return []

@@ -42,11 +42,10 @@ from torch import nn
 from ..functional._gemm import starts_step
 from ..nn import TEModule
 from ..nn.context import current_frame
-from ..quant import (DelayedState, Quantized, WeightCast, delayed_update, dequantize, scale_from_amax, scheme_for,
-                     transpose)
+from ..quant import (DelayedState, Quantized, WeightCast, delayed_update, dequantize, lower, scale_from_amax,
+                     scheme_for, transpose)
 from ..quant.tensor import amax_of, cast_with_scale, record_amax
 from ..quant.workspace import CarriedCast
-from ..recipe import DelayedScaling, Float8CurrentScaling
 from ._fsdp import _is_dtensor
 
 __all__ = ["Float8AllGatherWeight", "Float8GatheredWeight", "enable_fsdp_float8_all_gather"]
@@ -140,7 +139,7 @@ def _param_name(module, shard) -> str:
 def _delayed_scale(recipe, module, shard):
     """The scale this step's cast of `shard` (a parameter of `module`) uses under DelayedScaling,
     as te_func's GEMM will compute it from the workspaces of the running call; None outside a call."""
-    if not isinstance(recipe, DelayedScaling):
+    if not lower(recipe).keeps_history:
         return None
     frame = current_frame()
     owner = None if frame is None or frame.workspaces is None else frame.owners.get(id(module))
@@ -224,7 +223,7 @@ def enable_fsdp_float8_all_gather(model: nn.Module, recipe) -> nn.Module:
     (Float8CurrentScaling or DelayedScaling); call it before `fully_shard`. Returns `model`,
     changed in place: each GEMM weight becomes a Float8AllGatherWeight with the same values,
     but for a weight tied to another parameter use, which stays as it is."""
-    if not isinstance(recipe, (Float8CurrentScaling, DelayedScaling)):
+    if recipe is None or not lower(recipe).tensorwise:
         raise ValueError(f"FP8 all-gather covers the tensor-wise recipes (Float8CurrentScaling, DelayedScaling), got "
                          f"{type(recipe).__name__}: a block-scaled weight's blocks would have to follow FSDP's shard "
                          f"boundaries (MXFP8's columnwise blocks cross them), see docs/distributed.md")

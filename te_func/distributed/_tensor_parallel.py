@@ -29,11 +29,10 @@ from functools import partial
 from torch import nn
 
 from .. import nn as te_nn
-from ..recipe import DelayedScaling, Float8CurrentScaling
+from ..quant import lower
 
 __all__ = ["style", "check_layouts"]
 
-_TENSORWISE = (Float8CurrentScaling, DelayedScaling)
 _NORM_PARAMS = ("layer_norm_weight", "layer_norm_bias")
 
 
@@ -137,7 +136,7 @@ def style(name: str):
 
 def check_layouts(model: nn.Module, recipe, units: dict) -> None:
     """Refuse a recipe te_func cannot run on the DTensor-sharded (tensor-parallel) weights of `model`."""
-    if recipe is None or isinstance(recipe, _TENSORWISE):
+    if lower(recipe).tensorwise:
         return
     from torch.distributed.tensor import DTensor, Shard
 

@@ -1,8 +1,8 @@
 """One GEMM of a layer for one call: from its workspace entries to its slot's tensors and back.
 
 Every GEMM layer's function does, per GEMM: read the GEMM's workspace
-(te_func.quant.workspace.Gemm), start a DelayedScaling step when the call
-starts one, cast the weight (or take the cached cast), hand the slot its
+through the recipe's lowering (te_func.quant.lowering), start a step when the
+call starts one, cast the weight (or take the cached cast), hand the slot its
 tensors, and turn the slot's outputs into the entries the call leaves.
 
 NVFP4's stochastic rounding happens in backward, but its RNG state moves in
@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import GemmConfig, GemmSlot
-from ..quant import DelayedState, Gemm, GemmWorkspace, advance_rng, cast_weight, delayed_update
-from ..recipe import DelayedScaling
+from ..quant import Gemm, GemmWorkspace, Lowering, advance_rng, cast_weight, lower
 from ._common import needs_weight_grad
 
 __all__ = ["GemmStep", "starts_step"]
@@ -41,21 +40,11 @@ def _trains(update_state: bool | None) -> bool:
     return torch.is_grad_enabled() if update_state is None else update_state
 
 
-def _step_state(state, recipe, role: str, start: bool):
-    """The state a role quantizes with in this call: detached (the only gradient a state
-    receives is the grad record's, through g_sink), and under DelayedScaling updated when the
-    call starts a step. None stays None."""
-    if state is None:
-        return None
-    state = type(state)(*(None if t is None else t.detach() for t in state))
-    return delayed_update(state, recipe, role) if start and isinstance(state, DelayedState) else state
-
-
 @dataclass
 class GemmStep:
     """One GEMM's part of a call: the slot, this call's state, and the grad record's entry."""
     gemm: Gemm
-    recipe: object
+    lowering: Lowering
     slot: GemmSlot
     state: GemmWorkspace           # the cast this call uses, the states it quantizes with
     sink: torch.Tensor | None      # the raw grad record entry (see te_func.ops.gemm_layer)
@@ -63,19 +52,18 @@ class GemmStep:
 
     @classmethod
     def begin(cls, gemm: Gemm, weight: torch.Tensor, recipe, workspace: dict, is_first_microbatch,
-              update_state: bool | None = None, batch_scales: bool = False, prefix: str = "") -> GemmStep:
-        gw = gemm.read(workspace, recipe, batch_scales)
+              update_state: bool | None = None, batch_scales: bool = False) -> GemmStep:
+        lowering = lower(recipe)
+        gw = lowering.read(gemm, workspace, batch_scales)
         sink = None if gw.grad is None else gw.grad.record
-        start = isinstance(recipe, DelayedScaling) and starts_step(is_first_microbatch, update_state)
-        gw = gw._replace(**{role: _step_state(getattr(gw, role), recipe, role, start)
-                            for role in ("input", "weight", "grad")})
+        gw = lowering.begin(gw, starts_step(is_first_microbatch, update_state))
         cfg = GemmConfig.of(recipe, save_input=needs_weight_grad(weight))
         cast, weight_state, _ = cast_weight(weight, cfg.weight, gw.cast, is_first_microbatch, gw.weight)
-        slot = GemmSlot(cfg, gemm.weight, prefix)
+        slot = GemmSlot(cfg, gemm)
         # Only a call of a training step moves the stream (as TE draws only when it rounds):
         # an evaluation under no_grad leaves it where it was.
         next_rng = advance_rng(gw.rng) if gw.rng is not None and _trains(update_state) else gw.rng
-        return cls(gemm, recipe, slot, gw._replace(cast=cast, weight=weight_state), sink, next_rng)
+        return cls(gemm, lowering, slot, gw._replace(cast=cast, weight=weight_state), sink, next_rng)
 
     def tensors(self) -> dict:
         """The slot's inputs by name."""
@@ -84,4 +72,4 @@ class GemmStep:
     def entries(self, outputs: dict) -> dict:
         """The op-local workspace entries this call leaves, from the op's outputs."""
         x_state, g_state = self.slot.new_states(outputs, self.state.input, self.state.grad)
-        return self.gemm.write(self.state._replace(input=x_state, grad=g_state, rng=self.next_rng), self.recipe)
+        return self.lowering.write(self.gemm, self.state._replace(input=x_state, grad=g_state, rng=self.next_rng))

@@ -18,7 +18,7 @@ __all__ = ["grouped_linear", "split_sizes", "fp8_split_sizes", "grouped_gemms"]
 def grouped_gemms(num_gemms: int) -> tuple[Gemm, ...]:
     """GEMM i keeps its cast as `weight{i}_cast.*` and its states as `gemm{i}_input`, `weight{i}`,
     `gemm{i}_grad`: one set per GEMM, as TE keeps one FP8 meta slot per GEMM and role."""
-    return tuple(Gemm(f"weight{i}", f"gemm{i}_") for i in range(num_gemms))
+    return tuple(Gemm(f"weight{i}") for i in range(num_gemms))
 
 
 def split_sizes(m_splits, num_gemms: int, tokens: int, layer: str = "GroupedLinear") -> list[int]:
@@ -109,8 +109,8 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
     else:
         ifm = first_microbatch(is_first_microbatch, layer)
         x = autocast_input(x)
-        steps = [GemmStep.begin(g, w, recipe, workspace, ifm, update_state, batch_scales, prefix=f"g{i}.")
-                 for i, (g, w) in enumerate(zip(grouped_gemms(n), weights))]
+        steps = [GemmStep.begin(g, w, recipe, workspace, ifm, update_state, batch_scales)
+                 for g, w in zip(grouped_gemms(n), weights)]
         tensors = {k: v for st in steps for k, v in st.tensors().items()}
         res = call(GroupedLinearFP8(tuple(st.slot for st in steps)), x=x, **{f"m{i}": m for i, m in enumerate(sizes)},
                    **{f"weight{i}": w for i, w in enumerate(weights)},

@@ -15,7 +15,7 @@ from ._gemm import GemmStep
 __all__ = ["layernorm_mlp", "LAYERNORM_MLP_GEMMS"]
 
 # fc1's input state is the normalized output's, fc2's the activation output's.
-LAYERNORM_MLP_GEMMS = (Gemm("fc1_weight", "fc1_"), Gemm("fc2_weight", "fc2_"))
+LAYERNORM_MLP_GEMMS = (Gemm("fc1_weight"), Gemm("fc2_weight"))
 
 
 def _check_shapes(layer, hidden, fc1_weight, fc2_weight, activation):
@@ -65,8 +65,8 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
         entries = {}
     else:
         ifm = first_microbatch(is_first_microbatch, layer)
-        fc1, fc2 = (GemmStep.begin(g, w, recipe, workspace, ifm, update_state, batch_scales, prefix=f"{name}.")
-                    for g, w, name in zip(LAYERNORM_MLP_GEMMS, (fc1_weight, fc2_weight), ("fc1", "fc2")))
+        fc1, fc2 = (GemmStep.begin(g, w, recipe, workspace, ifm, update_state, batch_scales)
+                    for g, w in zip(LAYERNORM_MLP_GEMMS, (fc1_weight, fc2_weight)))
         inp = autocast_input(inp)
         x = inp.reshape(-1, hidden)                                                 # (tokens, hidden)
         res = call(LayerNormMLPFP8(fc1.slot, fc2.slot, norm_cfg, act), x=x, ln_weight=ln_weight,

@@ -18,9 +18,8 @@ from typing import NamedTuple
 import torch
 
 from .. import _compat
-
-from ..quant.workspace import keeps_rng
-from ..recipe import DelayedScaling
+from ..errors import TransformError
+from ..quant import lower
 
 __all__ = ["Frame", "CallScope", "Binding", "push", "bind", "push_call_scope", "open_call_scopes", "current_frame",
            "transform_level"]
@@ -159,13 +158,14 @@ def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
         return _NO_FRAME if replay is None else replay
     frame = stack[-1]
     if frame.workspaces is None:  # tef.autocast: quantize, cache nothing
-        if isinstance(frame.recipe, DelayedScaling) and module.gemms():
-            raise RuntimeError(
+        lowering = lower(frame.recipe)
+        if lowering.keeps_history and module.gemms():
+            raise TransformError(
                 f"{layer}: DelayedScaling keeps amax histories and scales between steps, which "
                 f"tef.autocast has nowhere to keep. Run the model through tef.functional_call(model, params, "
                 f"ws, ...) or tef.Stateful(model, recipe), with ws = tef.init_workspaces(model, recipe)")
-        if keeps_rng(frame.recipe) and module.gemms():
-            raise RuntimeError(
+        if lowering.keeps_rng and module.gemms():
+            raise TransformError(
                 f"{layer}: NVFP4BlockScaling rounds gradients stochastically, drawing from a random stream "
                 f"per GEMM that tef.autocast has nowhere to keep. Run the model through "
                 f"tef.functional_call(model, params, ws, ...) or tef.Stateful(model, recipe), with ws = "
@@ -188,15 +188,15 @@ def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
         raise ValueError(NO_CACHE.format(who=f"{layer} at {path or '(root)'!r}", value=is_first_microbatch))
     ifm = is_first_microbatch if is_first_microbatch is not None else frame.is_first_microbatch
     if again:
-        if isinstance(frame.recipe, DelayedScaling):
+        if lower(frame.recipe).keeps_history:
             # Each use's backward would report its grad amax as the "gradient" of the
             # same entry, and autograd sums two gradients of one input: the amaxes
             # would add instead of taking the max.
-            raise RuntimeError(
+            raise TransformError(
                 f"{layer} at {path or '(root)'!r} was called twice in one call under DelayedScaling, "
                 f"which te_func does not support: the two uses' gradient amaxes cannot be combined. "
                 f"Use two layers, or a stateless recipe (Float8CurrentScaling, MXFP8BlockScaling, "
-                f"Float8BlockScaling) for a model that reuses a layer")
+                f"Float8BlockScaling) for a model that reuses a layer", layer=path)
         ifm = False
 
     def commit(new_workspace: dict):
@@ -272,12 +272,12 @@ def _check_level(frame: Frame, layer: str, path: str, entries: dict):
     outer = -1 if frame.level is None else frame.level
     for name, t in entries.items():
         if isinstance(t, torch.Tensor) and _compat.tensor_level(t) > outer:
-            raise RuntimeError(
+            raise TransformError(
                 f"{layer} at {path or '(root)'!r} ran inside a torch.func transform (vmap, grad, ...) "
                 f"opened inside the model's forward, so its new workspace entry {name!r} belongs to that "
                 f"transform and cannot leave it. Apply the transform around tef.functional_call (e.g. "
                 f"torch.func.vmap(lambda x: tef.functional_call(model, params, ws, (x,), recipe=...))) "
-                f"instead of inside the model")
+                f"instead of inside the model", layer=path, entry=name)
 
 
 def _discard(new_workspace):

@@ -26,12 +26,13 @@ from torch import nn
 from ..functional._common import autocast_input, check_input
 from ..functional._fused import norm_config
 from ..functional.grouped_linear import fp8_split_sizes
+from ..errors import EntryMismatchError, FrozenModelError, MissingEntryError, RecipeMismatchError
 from ..ops import (GemmConfig, GemmSlot, GroupedLinearFP8, LayerNormLinearFP8, LayerNormMLPFP8, LinearFP8,
                    call_forward)
 from ..ops.activations import activation_spec
-from ..quant import Quantized
+from ..quant import Gemm, Quantized, lower
 from ..quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, fingerprint_entry
-from ..recipe import DelayedScaling, fingerprint
+from ..recipe import fingerprint
 from ._fused import te_outputs
 from .grouped_linear import GroupedLinear
 from .layernorm_linear import LayerNormLinear
@@ -102,7 +103,7 @@ class FrozenLayer(nn.Module):
         # where it exists: a getattr that misses is guarded as a missing attribute, which torch
         # checks by raising nn.Module's AttributeError, on every call.
         self._recipe_name = type(recipe).__name__
-        delayed = isinstance(recipe, DelayedScaling)
+        delayed = lower(recipe).keeps_history
         self._gemm_names = tuple((g.weight, f"{g.prefix}input_scale" if delayed else None)
                                  for g in self.gemm_specs)
         weights = {g.weight for g in self.gemm_specs}
@@ -153,7 +154,7 @@ class FrozenLayer(nn.Module):
         features = getattr(self, self.features_attr)
         check_input(self.layer, inp, features, self._params(), recipe=self._recipe_name)
         if torch.is_grad_enabled() and inp.requires_grad:
-            raise RuntimeError(f"{self.layer}: a frozen model (tef.freeze) is for inference only: it keeps no "
+            raise FrozenModelError(f"{self.layer}: a frozen model (tef.freeze) is for inference only: it keeps no "
                                f"high-precision weights and computes no gradients, and its input requires grad. "
                                f"Call it under torch.no_grad() or torch.inference_mode() on inputs that do not "
                                f"require grad; to train, train the model itself and freeze it afterwards")
@@ -171,7 +172,7 @@ class FrozenLayer(nn.Module):
         cfg = _CONFIGS[self._config_names[int(weight_only)]]
         slots, tensors = [], {}
         for weight, scale_name in self._gemm_names:
-            slot = GemmSlot(cfg, weight, f"{weight}.")
+            slot = GemmSlot(cfg, Gemm(weight))
             # Weight-only GEMMs do not quantize their input: its scale is not read (nor guarded).
             scale, scale_inv = (None, None) if scale_name is None or weight_only else \
                 (getattr(self, scale_name), getattr(self, scale_name + "_inv"))
@@ -208,25 +209,28 @@ class FrozenLayer(nn.Module):
         where = prefix.rstrip(".") or "(root)"
         made_for = state_dict.get(prefix + RECIPE_KEY)
         if made_for is None:
-            raise KeyError(f"{self.layer} at {where!r}: the checkpoint has no {prefix + RECIPE_KEY!r} entry, so "
-                           f"which recipe made its FP8 casts is unknown: it is not a frozen te_func checkpoint "
-                           f"(save one with frozen.state_dict())")
+            raise MissingEntryError(f"{self.layer} at {where!r}: the checkpoint has no {prefix + RECIPE_KEY!r} entry, "
+                                    f"so which recipe made its FP8 casts is unknown: it is not a frozen te_func "
+                                    f"checkpoint (save one with frozen.state_dict())", entry=prefix + RECIPE_KEY)
         if tuple(made_for.shape) != RECIPE_ENTRY.shape or made_for.dtype != RECIPE_ENTRY.dtype or \
                 made_for.device.type == "meta":
-            raise ValueError(f"{self.layer} at {where!r}: checkpoint entry {prefix + RECIPE_KEY!r} is not a "
-                             f"te_func recipe fingerprint ({RECIPE_ENTRY.shape} int64)")
+            raise EntryMismatchError(f"{self.layer} at {where!r}: checkpoint entry {prefix + RECIPE_KEY!r} is not a "
+                                     f"te_func recipe fingerprint ({RECIPE_ENTRY.shape} int64)",
+                                     entry=prefix + RECIPE_KEY, expected=RECIPE_ENTRY.shape, got=tuple(made_for.shape))
         version, fp = made_for.tolist()
         if version != FORMAT_VERSION or fp != fingerprint(self.recipe):
-            raise ValueError(f"{self.layer} at {where!r}: this frozen checkpoint was made for another recipe (or "
-                             f"other recipe options, or te_func format {version}) than {self.recipe!r}; its FP8 "
-                             f"casts cannot be read under this one. Freeze with the checkpoint's recipe, or "
-                             f"freeze the trained model again with this one")
+            raise RecipeMismatchError(f"{self.layer} at {where!r}: this frozen checkpoint was made for another recipe "
+                                      f"(or other recipe options, or te_func format {version}) than {self.recipe!r}; "
+                                      f"its FP8 casts cannot be read under this one. Freeze with the checkpoint's "
+                                      f"recipe, or freeze the trained model again with this one", recipe=self.recipe)
         for k, v in own.items():
             t = state_dict.get(prefix + k)
             if t is not None and (tuple(t.shape) != tuple(v.shape) or t.dtype != v.dtype):
-                raise ValueError(f"{self.layer} at {where!r}: checkpoint entry {prefix + k!r} has shape "
-                                 f"{tuple(t.shape)} and dtype {t.dtype}, but this layer holds {tuple(v.shape)} "
-                                 f"{v.dtype}: the checkpoint is of another model")
+                raise EntryMismatchError(f"{self.layer} at {where!r}: checkpoint entry {prefix + k!r} has shape "
+                                         f"{tuple(t.shape)} and dtype {t.dtype}, but this layer holds "
+                                         f"{tuple(v.shape)} {v.dtype}: the checkpoint is of another model",
+                                         entry=prefix + k, expected=(tuple(v.shape), v.dtype),
+                                         got=(tuple(t.shape), t.dtype))
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe!r}, weight_only_tokens={self.weight_only_tokens}"

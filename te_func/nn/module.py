@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quant import Entry, Gemm
+from ..quant import Entry, Gemm, lower
 from . import context
 
 __all__ = ["TEModule"]
@@ -28,14 +28,13 @@ class TEModule(nn.Module):
 
     def workspace_spec(self, recipe) -> dict[str, Entry]:
         """Entry name -> Entry (shape, dtype, updated in backward) of every entry this layer needs."""
-        spec = {}
-        for g in self.gemms():
-            spec.update(g.entries(self.gemm_weight(g.weight).shape, recipe))
-        return spec
+        lowering = lower(recipe)
+        return {k: e for g in self.gemms() for k, e in lowering.entries(g, self.gemm_weight(g.weight).shape).items()}
 
     def batch_scope_spec(self, recipe) -> dict[str, Entry]:
         """The entries a call in batch scope adds (te_func.quant.workspace's batch amaxes)."""
-        return {k: e for g in self.gemms() for k, e in g.batch_entries(recipe).items()}
+        lowering = lower(recipe)
+        return {k: e for g in self.gemms() for k, e in lowering.batch_entries(g).items()}
 
     def init_workspace(self, recipe, weights: dict | None = None, path: str = "",
                        weight_cache: bool = True) -> dict[str, torch.Tensor]:
@@ -46,10 +45,10 @@ class TEModule(nn.Module):
         weights: GEMM weight name -> the parameter's value to cast instead of the parameter (the
         frame passes the gathered weight of a parameter FSDP keeps sharded).
         """
-        entries = {}
+        entries, lowering = {}, lower(recipe)
         for g in self.gemms():
             weight = self.gemm_weight(g.weight, (weights or {}).get(g.weight))
-            entries.update(g.write(g.init(weight, recipe, path, cast=weight_cache), recipe))
+            entries.update(lowering.write(g, lowering.init(g, weight, path, cast=weight_cache)))
         return entries
 
     def _run(self, op, *args, is_first_microbatch=None, **kwargs):

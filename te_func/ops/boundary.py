@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _compat
+from ..errors import DerivativeError, TransformError
 
 __all__ = ["call", "call_forward", "GradContext", "on_backward", "higher_order", "first_order_only",
            "backward_differentiable"]
@@ -153,7 +154,7 @@ class _Boundary(torch.autograd.Function):
                 # Under plain autograd's dual_level torch refuses the jvp's own level
                 if "Nested forward mode AD is not supported" not in str(e):
                     raise
-                raise NotImplementedError(
+                raise DerivativeError(
                     f"{type(op).__name__}: plain autograd's forward mode (torch.autograd.forward_ad.dual_level) "
                     f"is not supported through te_func's FP8 layers; take forward-mode derivatives with "
                     f"torch.func.jvp, jacfwd or hessian, which are (docs/functional.md)") from e
@@ -231,7 +232,7 @@ def _refuse_create_graph(op):
     """Plain autograd asked for a graph of this backward (create_graph=True) of a forward that
     kept too little for one: refused at the first such call, rather than differentiated as if
     the FP8 casts had no operands."""
-    raise RuntimeError(
+    raise TransformError(
         f"te_func: a derivative of {type(op).__name__}'s backward was asked for (autograd.grad(..., "
         f"create_graph=True) or backward(create_graph=True)), but its forward ran outside "
         f"tef.higher_order() and kept only the FP8 casts its first-order backward reads. Run the forward "
@@ -247,8 +248,8 @@ def _require_linearization(op):
     # An op that declares no linearization (FSDP's gathers, tensor parallelism's collectives)
     # gives first derivatives only: refused here rather than differentiated as zero.
     if not hasattr(op, "linearized"):
-        raise NotImplementedError(f"te_func: {type(op).__name__} gives first derivatives only; a derivative of "
-                                  f"its backward or a forward-mode tangent was asked for")
+        raise DerivativeError(f"te_func: {type(op).__name__} gives first derivatives only; a derivative of "
+                              f"its backward or a forward-mode tangent was asked for")
 
 
 def _linearized_grads(op, saved: dict, out_grads: dict, input_grads: dict, need: dict) -> dict:

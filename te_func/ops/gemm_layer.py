@@ -1,7 +1,7 @@
 """The FP8 (or FP4) GEMM every GEMM layer's op is built from: `GemmSlot`.
 
 A slot is one GEMM's part of an op (te_func.ops.boundary): the tensors it
-reads and returns, by name under its prefix, and its two halves. Forward
+reads and returns, by name under its GEMM's prefix (`Gemm.slot`), and its two halves. Forward
 quantizes the GEMM input once (both copies when backward needs the weight
 gradient) and runs the forward GEMM; backward quantizes the output gradient
 once and runs the input- and weight-gradient GEMMs. Linear, LayerNormLinear,
@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..gemm import gemm, weight_only_gemm
-from ..quant import (BatchAmax, DelayedState, Quantized, Scheme, WeightCast, dequantize, quantize_scheme,
+from ..quant import (BatchAmax, DelayedState, Gemm, Quantized, Scheme, WeightCast, dequantize, quantize_scheme,
                      quantize_with_transpose)
 from ..quant import scheme_for
 
@@ -172,14 +172,17 @@ def _straight_through(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class GemmSlot:
-    """One FP8 GEMM inside an op: its config, the op input that is its weight, and the
-    prefix of its tensors' names."""
+    """One FP8 GEMM inside an op: its config, and the GEMM, whose weight is the op input of that
+    name and whose tensors' names carry its prefix (te_func.quant.Gemm.slot)."""
     cfg: GemmConfig
-    weight: str = "weight"
-    prefix: str = ""
+    gemm: Gemm
+
+    @property
+    def weight(self) -> str:
+        return self.gemm.weight
 
     def _n(self, name: str) -> str:
-        return self.prefix + name
+        return self.gemm.slot + name
 
     @property
     def input_cast_takes_partials(self) -> bool:

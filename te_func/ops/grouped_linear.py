@@ -21,7 +21,7 @@ __all__ = ["GroupedLinearFP8"]
 @dataclass(frozen=True)
 class GroupedLinearFP8:
     """inputs: x (tokens, in), m{i} (group i's token count), weight{i} (out, in), bias{i} or None,
-    and slot i's tensors (prefix g{i}.)."""
+    and slot i's tensors (prefix weight{i}.)."""
     slots: tuple[GemmSlot, ...]
     differentiable = ("out",)
 

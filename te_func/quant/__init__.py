@@ -7,9 +7,10 @@ from .tensor import (BatchAmax, DelayedState, Quantized, dequantize, quantize, q
 from .delayed import delayed_update, init_delayed_state
 from .workspace import CAST_FIELDS, Entry, Gemm, GemmWorkspace, WeightCast
 from .weight import Quantizer, cast_weight, quantize_weight
+from .lowering import Lowering, lower
 
 __all__ = ["Scheme", "scheme_for", "scale_from_amax", "e8m0_scale_inv", "e8m0_to_float", "round_down_pow2",
            "BatchAmax", "DelayedState", "Quantized", "dequantize", "quantize", "quantize_scheme",
            "quantize_with_transpose", "transpose", "delayed_update", "init_delayed_state",
            "CAST_FIELDS", "Entry", "Gemm", "GemmWorkspace", "WeightCast", "Quantizer", "cast_weight",
-           "quantize_weight", "nvfp4", "init_rng_state", "advance_rng"]
+           "quantize_weight", "nvfp4", "init_rng_state", "advance_rng", "Lowering", "lower"]

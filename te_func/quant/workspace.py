@@ -9,8 +9,8 @@ Every FP8 GEMM of a layer keeps one `GemmWorkspace`, a small pytree:
     rng       Tensor | None         NVFP4 with stochastic rounding only: the output gradient's
                                     random stream (seed, counter)
 
-`Gemm(weight, prefix)` declares one GEMM of a layer by its weight parameter's
-name and the prefix of its activation states. Its flat, op-local entries
+`Gemm(weight)` names one GEMM of a layer by its weight parameter, and its
+activation states' prefix follows (`Gemm.prefix`). Its flat, op-local entries
 (the frame prefixes each with the layer's module path, like a state_dict):
 
     {weight}_cast.data            (out, in)     FP8   the forward GEMM's layout
@@ -42,7 +42,7 @@ list of names of each layer x recipe is pinned by tests/golden_workspaces.json.
 
 Batch scope (te_func.vmapped: per-sample gradients quantized as the whole batch
 is) adds, for one call and under tensor-wise current scaling only, the amax the
-whole batch had (`Gemm.batch_entries`; never kept between calls):
+whole batch had (`Lowering.batch_entries`; never kept between calls):
 
     {prefix}input_batch_amax      ()   fp32      the GEMM input's
     {prefix}grad_batch_amax       ()   fp32      the output gradient's (updated in backward)
@@ -57,15 +57,13 @@ from typing import NamedTuple
 
 import torch
 
-from ..recipe import DelayedScaling, fingerprint
-from .delayed import init_delayed_state
-from .nvfp4 import init_rng_state, rng_seed
-from .scheme import Scheme, scheme_for
+from ..recipe import fingerprint
+from .scheme import Scheme
 from .tensor import BatchAmax, DelayedState, Quantized, quantize_with_transpose
 
 __all__ = ["FORMAT_VERSION", "RECIPE_KEY", "RECIPE_ENTRY", "CAST_FIELDS", "CarriedCast", "KINDS", "Entry", "Gemm",
            "GemmWorkspace", "WeightCast", "cast_entries", "is_cast_key", "cast_from_flat", "cast_to_flat", "make_cast",
-           "fingerprint_entry", "ROLES_OF_GEMM", "keeps_rng"]
+           "fingerprint_entry", "ROLES_OF_GEMM"]
 
 # 1: te_func 0.1 (recipe repr and made_by= in key names); 2: this module.
 # 3: MXFP8's E8M0 scales as uint8 (2: float8_e8m0fnu; tef.upgrade_workspaces converts).
@@ -184,131 +182,38 @@ def make_cast(weight: torch.Tensor, s: Scheme, state: DelayedState | None = None
 
 @dataclasses.dataclass(frozen=True)
 class Gemm:
-    """One FP8 GEMM of a layer: its weight parameter's name and its states' prefix.
-
-    Linear: Gemm("weight"); LayerNormMLP: Gemm("fc1_weight", "fc1_"), Gemm("fc2_weight", "fc2_");
-    GroupedLinear: Gemm(f"weight{i}", f"gemm{i}_").
-    """
+    """One FP8 GEMM of a layer, named by its weight parameter: "weight" (Linear, LayerNormLinear),
+    "fc1_weight" and "fc2_weight" (LayerNormMLP), "weight{i}" (GroupedLinear). Every key of the
+    GEMM derives from this one name, here: its cast's entries, its states' (under the prefix
+    the names give, "", "fc1_", "gemm{i}_", kept as the workspace format has always spelled
+    them), its random stream, and its tensors' names inside the op (`slot`). Which entries
+    exist under a recipe is the recipe's Lowering's (te_func.quant.lowering)."""
     weight: str
-    prefix: str = ""
+
+    @property
+    def prefix(self) -> str:
+        """The prefix of the GEMM's activation states (the input's and the output gradient's)."""
+        index = self.weight.removeprefix("weight")
+        return f"gemm{index}_" if index.isdigit() else self.weight.removesuffix("weight")
+
+    @property
+    def cast(self) -> str:
+        """The name of the weight cast; its entries are `{cast}.{field}` (CAST_FIELDS)."""
+        return f"{self.weight}_cast"
+
+    @property
+    def slot(self) -> str:
+        """The prefix of this GEMM's tensors inside its op (te_func.ops.GemmSlot)."""
+        return f"{self.weight}."
 
     def state_names(self) -> dict[str, str]:
-        """role -> the name its DelayedScaling state is kept under."""
+        """role -> the name its DelayedScaling state (or batch amax) is kept under."""
         return {"input": f"{self.prefix}input", "weight": self.weight, "grad": f"{self.prefix}grad"}
 
     @property
     def rng_name(self) -> str:
         """The name of the output gradient's RNG state (NVFP4 with stochastic rounding)."""
         return f"{self.prefix}grad_rng_state"
-
-    def entries(self, weight_shape, recipe) -> dict[str, Entry]:
-        """Op-local entry name -> Entry, under `recipe` (empty for None)."""
-        if recipe is None:
-            return {}
-        out = {f"{self.weight}_cast.{k}": e
-               for k, e in cast_entries(tuple(weight_shape), scheme_for(recipe, "weight")).items()}
-        if isinstance(recipe, DelayedScaling):
-            for role, name in self.state_names().items():
-                out[f"{name}_amax_history"] = Entry((recipe.amax_history_len,), torch.float32, "amax_history",
-                                                    role == "grad")
-                out[f"{name}_scale"] = Entry((), torch.float32, "scale")
-        if keeps_rng(recipe):
-            out[self.rng_name] = Entry((2,), torch.int64, "rng")
-        return out
-
-    def batch_entries(self, recipe) -> dict[str, Entry]:
-        """Op-local name -> Entry of the batch-scope amaxes (module docstring): one per role whose
-        scale the recipe computes from the whole tensor at hand, a tensor-wise current scale. The
-        weight is shared by every sample, and so are DelayedScaling's scales (from the history);
-        block scales (MXFP8, Float8BlockScaling) come from blocks within one token or, along the
-        tokens, within one sample when its token count is a multiple of the block."""
-        names = self.state_names()
-        return {f"{names[role]}_batch_amax": Entry((), torch.float32, "batch_amax", role == "grad")
-                for role in ("input", "grad") if _batch_scoped(recipe, role)}
-
-    def read(self, workspace: dict, recipe, batch_scales: bool = False) -> GemmWorkspace:
-        """The typed view of this GEMM's entries in an op-local `workspace` (None for missing ones:
-        a workspace given to a per-op function may start empty). batch_scales: a per-sample
-        call in batch scope, whose batch amaxes give the scales (te_func.quant.BatchAmax)."""
-        if recipe is None:
-            return GemmWorkspace(None)
-        s = scheme_for(recipe, "weight")
-        p = f"{self.weight}_cast."
-        flat = {k[len(p):]: v for k, v in workspace.items() if k.startswith(p)}
-        # all(...), not `set <= keys`: torch 2.11's dynamo cannot trace set comparisons.
-        cast = cast_from_flat(flat, s) if all(k in flat for k in cast_entries((1, 1), s)) else None
-        if keeps_rng(recipe):
-            rng = workspace.get(self.rng_name)
-            if rng is None:
-                raise KeyError(f"NVFP4BlockScaling's stochastic rounding of gradients needs the workspace entry "
-                               f"{self.rng_name} (its random stream); make the workspaces with "
-                               f"tef.init_workspaces(model, recipe), or set disable_stochastic_rounding=True")
-            return GemmWorkspace(cast, rng=rng)
-        if not isinstance(recipe, DelayedScaling):
-            # Batch scope: the entries are there for the call (the frame checks all or none are).
-            names = self.state_names()
-            batch = {role: BatchAmax.of(workspace[f"{names[role]}_batch_amax"], scheme_for(recipe, role), batch_scales)
-                     for role in ("input", "grad") if f"{names[role]}_batch_amax" in workspace}
-            return GemmWorkspace(cast, **batch)
-        states = {}
-        for role, name in self.state_names().items():
-            history, scale = workspace.get(f"{name}_amax_history"), workspace.get(f"{name}_scale")
-            if history is None or scale is None:
-                raise KeyError(f"DelayedScaling needs workspace entries {name}_amax_history and {name}_scale; "
-                               f"make the workspaces with tef.init_workspaces(model, recipe)")
-            states[role] = DelayedState(history, scale)
-        return GemmWorkspace(cast, **states)
-
-    def write(self, gw: GemmWorkspace, recipe) -> dict[str, torch.Tensor]:
-        """`gw` as op-local flat entries (the inverse of `read`)."""
-        out = {}
-        if gw.cast is not None:
-            out.update({f"{self.weight}_cast.{k}": v
-                        for k, v in cast_to_flat(gw.cast, scheme_for(recipe, "weight")).items()})
-        for role, name in self.state_names().items():
-            state = getattr(gw, role)
-            if isinstance(state, DelayedState):
-                out[f"{name}_amax_history"], out[f"{name}_scale"] = state
-            elif isinstance(state, BatchAmax):
-                out[f"{name}_batch_amax"] = state.amax
-        if gw.rng is not None:
-            out[self.rng_name] = gw.rng
-        return out
-
-    def init(self, weight: torch.Tensor, recipe, path: str = "", cast: bool = True) -> GemmWorkspace:
-        """Fresh state: the cast of the current weight (with the initial scale, 1, under
-        DelayedScaling; None without `cast`), TE's initial states (zero histories, scale 1) and,
-        for NVFP4's stochastic rounding, a stream whose seed is named by the layer's module `path`
-        and this GEMM's weight (so the same model always starts from the same streams, and no two
-        GEMMs of a model share one), counter 0."""
-        if recipe is None:
-            return GemmWorkspace(None)
-        states = {role: init_delayed_state(recipe, weight.device) for role in ROLES_OF_GEMM} \
-            if isinstance(recipe, DelayedScaling) else {}
-        weight_cast = make_cast(weight.detach(), scheme_for(recipe, "weight"), states.get("weight"))[0] \
-            if cast else None
-        if not isinstance(recipe, DelayedScaling):
-            rng = init_rng_state(rng_seed(f"{path}.{self.weight}"), weight.device) if keeps_rng(recipe) else None
-            return GemmWorkspace(weight_cast, rng=rng)
-        return GemmWorkspace(weight_cast, **states)
-
-
-def _batch_scoped(recipe, role: str) -> bool:
-    """Whether `recipe` quantizes `role` with one scale from the whole tensor's amax."""
-    if recipe is None or isinstance(recipe, DelayedScaling):
-        return False
-    if role == "grad" and recipe.backward_override is not None:
-        return False          # the gradient stays in high precision
-    s = scheme_for(recipe, role)
-    return s.block is None and s.rule == "current"
-
-
-def keeps_rng(recipe) -> bool:
-    """Whether `recipe`'s backward rounds gradients stochastically, so each GEMM keeps an RNG
-    state: NVFP4 unless disable_stochastic_rounding, or a backward_override (whose backward
-    does not quantize the gradient)."""
-    return (recipe is not None and scheme_for(recipe, "grad").stochastic_rounding
-            and recipe.backward_override is None)
 
 
 # --- recipe identity --------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Probe: a frozen LayerNormMLP at few tokens in three kernels, against bf16 and tef.freeze.
 
-    python3 benchmarks/probe_decode_fused.py   # on the GPU; writes $OUT/fused_mlp.json (default /tmp)
+    python3 benchmarks/probes/probe_decode_fused.py   # on the GPU; writes $OUT/fused_mlp.json (default /tmp)
 
 Two LayerNormMLP 4096x14336 blocks under current scaling, each as: LayerNorm + amax + cast
 (inductor), fc1's FP8 GEMM with bias, GELU(tanh) and the GELU output's amax (an atomic max)

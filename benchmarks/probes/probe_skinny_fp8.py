@@ -1,6 +1,6 @@
 """Probe: a Triton FP8 x FP8 GEMM for 16 / 64 tokens against torch._scaled_mm and bf16.
 
-    python3 benchmarks/probe_skinny_fp8.py     # on the GPU; writes $OUT/skinny.json (default /tmp)
+    python3 benchmarks/probes/probe_skinny_fp8.py     # on the GPU; writes $OUT/skinny.json (default /tmp)
 
 Three layouts of one kernel (the weight as the MMA's left operand with pointer loads or
 TMA descriptors, or as the right one), a sweep of tiles, stages and K splits; each config

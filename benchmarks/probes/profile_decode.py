@@ -1,6 +1,6 @@
 """Where a frozen decode call's GPU time goes: its kernels, per call, replayed from a CUDA graph.
 
-    python3 benchmarks/profile_decode.py --tokens 16,64 [--recipes current,delayed] [--out DIR]
+    python3 benchmarks/probes/profile_decode.py --tokens 16,64 [--recipes current,delayed] [--out DIR]
 
 The two LayerNormMLP 4096x14336 blocks of benchmarks/inference.py, frozen (`tef.freeze`) and
 compiled (`fullgraph=True`), and torch's bf16 blocks, each captured once into a CUDA graph as
@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402

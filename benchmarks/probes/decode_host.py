@@ -1,7 +1,7 @@
 """A reduce-overhead decode call split into the host's time and the GPU's, per model.
 
-    python3 benchmarks/decode_host.py [--tokens 1,16,64] [--out FILE]
-    python3 benchmarks/decode_host.py --tokens 16 --kernels
+    python3 benchmarks/probes/decode_host.py [--tokens 1,16,64] [--out FILE]
+    python3 benchmarks/probes/decode_host.py --tokens 16 --kernels
 
 The two LayerNormMLP 4096x14336 blocks of benchmarks/inference.py (torch bf16, frozen
 Float8CurrentScaling and DelayedScaling), compiled with mode="reduce-overhead". Under that mode a
@@ -24,8 +24,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 

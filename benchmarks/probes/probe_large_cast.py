@@ -1,6 +1,6 @@
 """Probe: the GELU output's current-scaling cast at prefill sizes, kernel by kernel.
 
-    python3 benchmarks/probe_large_cast.py [--tokens 8192] [--out DIR]    # on the GPU
+    python3 benchmarks/probes/probe_large_cast.py [--tokens 8192] [--out DIR]    # on the GPU
 
 A frozen LayerNormMLP under Float8CurrentScaling casts v = GELU(fc1 out + bias) with the scale of
 max |v|. Compiled, inductor runs that as a reduction that computes the GELU for its amax, then a
@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402

@@ -1,6 +1,6 @@
 """GPU facts the benchmark's analysis rests on: the two ceilings and what `_scaled_mm` accepts.
 
-    python3 benchmarks/probe_gemm.py [--out DIR]
+    python3 benchmarks/probes/probe_gemm.py [--out DIR]
 
 Measures the device-to-device copy bandwidth, bf16 and FP8 (tensor-wise)
 GEMM rates at 8192^3, whether torch's scaled GEMM takes Float8BlockScaling's
@@ -18,8 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 

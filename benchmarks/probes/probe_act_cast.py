@@ -1,6 +1,6 @@
 """Probe: the GELU output's current-scaling cast at decode sizes in one launch, and FP8 accumulation.
 
-    python3 benchmarks/probe_act_cast.py     # on the GPU; writes $OUT/act_cast.json (default /tmp)
+    python3 benchmarks/probes/probe_act_cast.py     # on the GPU; writes $OUT/act_cast.json (default /tmp)
 
 Part 1. Under Float8CurrentScaling a frozen LayerNormMLP casts GELU(fc1 out + bias) with a scale
 from its amax, so the cast waits for a reduction over the whole tensor: inductor runs that as a

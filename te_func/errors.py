@@ -1,0 +1,71 @@
+"""The misuses te_func detects, one class each, with the offending thing as attributes.
+
+Every class subclasses the builtin exception te_func raised before it had these, so
+code that catches `KeyError` or `ValueError` keeps working; catch `te_func.Error` for
+all of them. Each message says what happened and what to do instead.
+
+    Error                          every te_func error
+      WorkspaceError               the workspaces do not fit the model being run
+        MissingEntryError          an entry the model needs is not there       (KeyError)
+        UnknownEntryError          entries that no layer of the model has      (KeyError)
+        EntryMismatchError         an entry of the wrong shape, dtype, device  (ValueError)
+        RecipeMismatchError        made for another recipe or format version   (ValueError)
+      TransformError               a transform or mode te_func cannot take     (RuntimeError)
+        DerivativeError            a derivative te_func's ops do not give      (NotImplementedError)
+      FrozenModelError             a frozen model (tef.freeze) used to train   (RuntimeError, ValueError)
+
+Attributes, where the error has them: `entry` (a workspace key), `layer` (the module's
+path, "" for the root), `expected` and `got`, `recipe`.
+"""
+from __future__ import annotations
+
+__all__ = ["Error", "WorkspaceError", "MissingEntryError", "UnknownEntryError", "EntryMismatchError",
+           "RecipeMismatchError", "TransformError", "DerivativeError", "FrozenModelError"]
+
+
+class Error(Exception):
+    """Base of te_func's errors: `Error(message, **attributes)`."""
+
+    def __init__(self, message: str, **attributes):
+        super().__init__(message)
+        self.__dict__.update(attributes)
+
+    def __str__(self) -> str:
+        # The message as written (KeyError's own str would quote it).
+        return str(self.args[0]) if self.args else ""
+
+
+class WorkspaceError(Error):
+    """The workspaces given do not fit the model and recipe they are run with."""
+
+
+class MissingEntryError(WorkspaceError, KeyError):
+    """A workspace entry the model needs is missing. Attributes: entry."""
+
+
+class UnknownEntryError(WorkspaceError, KeyError):
+    """Workspace entries that belong to no te_func layer of the model. Attributes: entries."""
+
+
+class EntryMismatchError(WorkspaceError, ValueError):
+    """A workspace entry of the wrong shape, dtype, device or layout. Attributes: entry, expected, got."""
+
+
+class RecipeMismatchError(WorkspaceError, ValueError):
+    """Workspaces (or a frozen checkpoint) made for another recipe, or in another format version.
+    Attributes: recipe (the one run with)."""
+
+
+class TransformError(Error, RuntimeError):
+    """A torch transform, autograd mode or call pattern that te_func refuses rather than compute
+    something wrong. Attributes: layer where one is named."""
+
+
+class DerivativeError(TransformError, NotImplementedError):
+    """A derivative that te_func's ops do not give in this setting (forward mode or a second
+    derivative where it has no way to compute it)."""
+
+
+class FrozenModelError(Error, RuntimeError, ValueError):
+    """A frozen (inference-only) model used where a trainable one is needed: trained (a
+    RuntimeError, as before), or handed to tef.Stateful (a ValueError, as before)."""
