@@ -5,8 +5,8 @@ hooks (allow_in_graph, mark_static_address) stay where they are used; the view(d
 rule lives in quant/_vmap_bitcast.py.
 
 Checked on torch 2.11 (the GPU machine) and 2.13 (CPU). A torch upgrade that moves them breaks
-here first: tests/test_higher_order.py, test_vmapped.py and test_stateful.py run every path
-through the functorch and engine calls, tests/test_transforms.py compiles the models the loop
+here first: tests/transforms/test_higher_order.py, test_vmapped.py and test_stateful.py run every path
+through the functorch and engine calls, tests/transforms/test_transforms.py compiles the models the loop
 split guard is for.
 """
 from __future__ import annotations

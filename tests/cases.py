@@ -88,7 +88,7 @@ LAYERS = [
     # clamped_swiglu's activation_params through every transform (alpha changes every output; a
     # recipe-independent activation, so three recipes: none, tensor-wise, delayed; compiled under
     # one, for CI time). The limit sits past most of fc1's outputs: a clamp's derivative is a step,
-    # which FP8 noise crosses as it crosses relu's; tests/test_layers.py checks the clamps against
+    # which FP8 noise crosses as it crosses relu's; tests/layers/test_layers.py checks the clamps against
     # float64.
     LayerCase("LayerNormMLP-clamped_swiglu",
               lambda dt: tef.nn.LayerNormMLP(64, 96, activation="clamped_swiglu",
@@ -120,7 +120,7 @@ def tiny_gpt2(dtype=torch.float32, layers=2):
 
 
 def tiny_t5(dtype=torch.float32, layers=1):
-    """An encoder-decoder whose feed-forward reads `wo.weight.dtype` (tests/test_freeze.py)."""
+    """An encoder-decoder whose feed-forward reads `wo.weight.dtype` (tests/shell/test_freeze.py)."""
     from transformers import T5Config, T5ForConditionalGeneration
     cfg = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=layers, num_heads=4,
                    dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..functional._gemm import starts_step
 from ..nn import TEModule
-from ..nn.context import current_frame
+from ..nn.context import current_frame, microbatch
 from ..quant import (DelayedState, Quantized, WeightCast, delayed_update, dequantize, lower, scale_from_amax,
                      scheme_for, transpose)
 from ..quant.tensor import amax_of, cast_with_scale, record_amax
@@ -148,16 +148,13 @@ def _delayed_scale(recipe, module, shard):
     if frame.recipe != recipe:
         raise ValueError(f"{type(module).__name__}'s weights are all-gathered in FP8 for {recipe!r}, but the model "
                          f"runs with {frame.recipe!r}: enable FP8 all-gather with the recipe you train with")
-    path, names, _ = owner
-    prefix = f"{path}." if path else ""
+    prefix = f"{owner[0]}." if owner[0] else ""
     name = _param_name(module, shard)
     value = lambda key: frame.updates.get(prefix + key, frame.workspaces[prefix + key])  # noqa: E731
     state = DelayedState(value(f"{name}_amax_history").detach(), value(f"{name}_scale").detach())
     # As the layer will decide it (te_func.nn.context.bind), with the frame's update_state rather
-    # than the grad mode now: FSDP all-gathers under no_grad. A layer called again runs as a later
-    # microbatch.
-    again = any(prefix + n in frame.updates for n in names)
-    start = not again and starts_step(frame.is_first_microbatch, frame.update_state)
+    # than the grad mode now: FSDP all-gathers under no_grad.
+    start = starts_step(microbatch(frame, owner)[0], frame.update_state)
     return delayed_update(state, recipe, "weight").scale if start else state.scale
 
 

@@ -45,8 +45,8 @@ __all__ = ["activation", "cast_from_partials", "cast_kernels_available", "delaye
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_NUMEL = 2**31 - 2**24     # int32 indexing in the kernels
-# On by default: bit-identical to the torch path on an H200 (tests/test_kernels.py,
-# 2026-11-29). TE_FUNC_CAST_KERNELS=0 or set_cast_kernels(False) turns them off.
+# On by default: bit-identical to the torch path (tests/kernels/test_kernels.py checks it on the
+# GPU). TE_FUNC_CAST_KERNELS=0 or set_cast_kernels(False) turns them off.
 _DEFAULT = "1"
 _enabled = os.environ.get("TE_FUNC_CAST_KERNELS", _DEFAULT) == "1"
 calls = {"fused": 0}           # how many casts the kernels made (tests check they ran)

@@ -10,7 +10,7 @@ The elementwise math is the formulas' (te_func.ops.normalization), op for op in 
 launched without FMA contraction. The row reductions (mean, variance, the two dot
 products of the backward) and dweight / dbias's sums over tokens add in the kernels'
 order, which is not torch's: they agree with the torch path to fp32 rounding, not bit
-for bit (tests/test_kernels.py bounds the difference). torch's own reductions differ
+for bit (tests/kernels/test_kernels.py bounds the difference). torch's own reductions differ
 between eager, inductor and the CPU in the same way.
 
 Imported only by te_func.kernels.dispatch, once Triton is known to import. Rows fit one

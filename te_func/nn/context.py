@@ -21,8 +21,8 @@ from .. import _compat
 from ..errors import TransformError
 from ..quant import lower
 
-__all__ = ["Frame", "CallScope", "Binding", "push", "bind", "push_call_scope", "open_call_scopes", "current_frame",
-           "transform_level"]
+__all__ = ["Frame", "CallScope", "Binding", "push", "bind", "microbatch", "push_call_scope", "open_call_scopes",
+           "current_frame", "transform_level"]
 
 
 class _Stacks(threading.local):
@@ -145,6 +145,21 @@ class Binding(NamedTuple):
     batch_scales: bool = False      # Frame.batch_scales
 
 
+def microbatch(frame: Frame, owner: tuple, is_first_microbatch: bool | None = None) -> tuple[bool | None, bool]:
+    """(the is_first_microbatch a layer runs with in `frame`, whether it ran in this frame before).
+
+    The layer's own argument wins over the frame's. A layer called again in the same frame (a
+    shared layer) sees what its first call wrote and runs as a later microbatch of the same step
+    (False): its weight cast is reused. Whether the call starts a step follows from this flag
+    and the frame's update_state alone (te_func.functional._gemm.starts_step)."""
+    path, names, _ = owner
+    prefix = f"{path}." if path else ""
+    again = any(prefix + n in frame.updates for n in names)
+    if again:
+        return False, True
+    return (is_first_microbatch if is_first_microbatch is not None else frame.is_first_microbatch), False
+
+
 def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
     """What `module` runs with, read from the innermost frame of this thread.
 
@@ -179,14 +194,10 @@ def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
                            f"submodule of that model")
     path, names, as_given = owner
     prefix = f"{path}." if path else ""
-    # A module called again in the same frame (a shared layer) sees what its
-    # first call wrote and runs as a later microbatch of the same step: its
-    # weight cast is reused.
-    again = any(prefix + n in frame.updates for n in names)
     local = {n: frame.updates.get(prefix + n, frame.workspaces[prefix + n]) for n in names}
     if is_first_microbatch is not None and not frame.weight_cache and module.gemms():
         raise ValueError(NO_CACHE.format(who=f"{layer} at {path or '(root)'!r}", value=is_first_microbatch))
-    ifm = is_first_microbatch if is_first_microbatch is not None else frame.is_first_microbatch
+    ifm, again = microbatch(frame, owner, is_first_microbatch)
     if again:
         if lower(frame.recipe).keeps_history:
             # Each use's backward would report its grad amax as the "gradient" of the
@@ -197,7 +208,6 @@ def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
                 f"which te_func does not support: the two uses' gradient amaxes cannot be combined. "
                 f"Use two layers, or a stateless recipe (Float8CurrentScaling, MXFP8BlockScaling, "
                 f"Float8BlockScaling) for a model that reuses a layer", layer=path)
-        ifm = False
 
     def commit(new_workspace: dict):
         _check_level(frame, layer, path, new_workspace)

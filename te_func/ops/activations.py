@@ -184,9 +184,8 @@ def _relu_backward(dy, x):
 _RELU = _Fused(F.relu, _relu_backward)
 _SILU = _Fused(F.silu, torch.ops.aten.silu_backward)
 # Not the GELU: under torch.compile its formulas let inductor fuse the activation into the
-# casts' passes (on an H200 the LayerNormMLP step took 11.96 ms and 2.34 GiB with them, 12.33 ms
-# and 4.09 GiB with torch's gelu kernels); eagerly on a GPU te_func.kernels computes the
-# formulas in one pass (`activation_with_amax` below).
+# casts' passes, faster and with less memory than torch's gelu kernels (docs/benchmarks.md);
+# eagerly on a GPU te_func.kernels computes the formulas in one pass (`activation_with_amax`).
 _FUSED = {"relu": _RELU, "reglu": _RELU, "silu": _SILU, "swiglu": _SILU}
 
 

@@ -416,7 +416,7 @@ def test_a_compiled_frozen_decode_step_casts_its_inputs_in_two_passes(cuda, toke
     Against inductor's own chain (the kernels off) to FP8 noise:
     the GELUs contract their multiply-adds differently (inductor's own and the kernel as inductor
     builds it), so a value may land one FP8 step away (the casts themselves:
-    tests/test_kernels.py, bit for bit)."""
+    tests/kernels/test_kernels.py, bit for bit)."""
     from te_func.kernels import dispatch
     recipe = Float8CurrentScaling()
     _, _, frozen = _frozen_block(cuda, recipe)

@@ -161,7 +161,7 @@ def test_docs_table_names_every_field_of_every_recipe():
     # docs/recipes.md's table of fields: each field of each recipe has a row that applies to it.
     import pathlib
     import re
-    text = (pathlib.Path(__file__).parent.parent / "docs" / "recipes.md").read_text()
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "recipes.md").read_text()
     rows = [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| ") and "`" in line]
     for cls in TE_DEFAULTS:
         name = cls.__name__

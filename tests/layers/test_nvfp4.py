@@ -1,7 +1,7 @@
 """NVFP4BlockScaling in the layers: the random streams of stochastic rounding, each technique's
-switch. (Quantization bit for bit: tests/test_nvfp4_quant.py;
-every layer through every transform, inductor included: tests/test_transforms.py; SQNR of every layer:
-tests/test_numerics.py.)"""
+switch. (Quantization bit for bit: tests/quant/test_nvfp4_quant.py;
+every layer through every transform, inductor included: tests/transforms/test_transforms.py; SQNR of every layer:
+tests/layers/test_numerics.py.)"""
 from __future__ import annotations
 
 import copy

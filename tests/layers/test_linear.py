@@ -216,7 +216,7 @@ def test_works_inside_user_models(make, recipe):
         assert {k.split(".weight_cast.")[0] for k in ws if ".weight_cast." in k} == set(te_paths)
     x = torch.randn(2, 8, 32)
     if isinstance(recipe, DelayedScaling) and isinstance(model, TwoTower):
-        # towers.a is used twice: under DelayedScaling that is refused (tests/test_shared_layer.py).
+        # towers.a is used twice: under DelayedScaling that is refused (tests/transforms/test_shared_layer.py).
         with pytest.raises(RuntimeError, match="called twice in one call under DelayedScaling"):
             tef.functional_call(model, params, ws, (x,), recipe=recipe, is_first_microbatch=True)
         return

@@ -24,8 +24,8 @@ from cases import LAYERS, RECIPES, detached_params, needs_state
 from te_func.quant.workspace import RECIPE_KEY
 from te_func.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, QParams, fingerprint
 
-GOLDEN = Path(__file__).parent / "golden_workspaces.json"
-DATA = Path(__file__).parent / "data"
+GOLDEN = Path(__file__).parents[1] / "golden_workspaces.json"
+DATA = Path(__file__).parents[1] / "data"
 KEY = re.compile(r"[A-Za-z0-9_.]+")
 FP8 = [pytest.param(r, id=rid) for rid, r in RECIPES if r is not None]
 ALL = [pytest.param(r, id=rid) for rid, r in RECIPES]

@@ -1,6 +1,6 @@
 """tef.freeze: what a frozen model holds, saves, compiles and exports, and the errors it gives.
 
-The frozen column of the transform matrix (tests/test_transforms.py) checks every layer x
+The frozen column of the transform matrix (tests/transforms/test_transforms.py) checks every layer x
 recipe against the cached-weight forward; this file checks the model-level promises on one
 small model holding every kind of GEMM layer.
 """

@@ -1,4 +1,4 @@
-"""tests/test_distributed.py's workers on 2 GPUs over NCCL (skipped without 2 GPUs).
+"""tests/distributed/test_distributed.py's workers on 2 GPUs over NCCL (skipped without 2 GPUs).
 
 The same standards, against one GPU: FSDP2's loss over 10 steps, the FP8 all-gather's
 cast, DelayedScaling's histories on both ranks, a resumed run from a distributed

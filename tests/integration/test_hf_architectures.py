@@ -1,11 +1,11 @@
 """tef.convert on many HuggingFace architectures (tiny random configs, one layer, no download).
 
-tests/test_hf_models.py and the transform matrix drive a Llama and a GPT-2 through every
+tests/integration/test_hf_models.py and the transform matrix drive a Llama and a GPT-2 through every
 transform; this file checks that the other architectures users bring convert, train in FP8
 through `tef.Stateful` and run frozen, eagerly: their attention variants, norms, MLPs,
 encoder-decoders and mixtures of experts meet te_func's layers in code te_func did not write.
 What te_func leaves in high precision on them (experts kept as 3-D weights, Falcon's Linear
-subclass) is logged by tef.convert and tested in tests/test_hf_models.py.
+subclass) is logged by tef.convert and tested in tests/integration/test_hf_models.py.
 """
 from __future__ import annotations
 

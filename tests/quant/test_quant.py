@@ -888,7 +888,7 @@ def test_quantize_weight_cache_false_requantizes_an_invalid_cast(case, quantize_
 def test_quantize_weight_cache_false_trusts_a_cast_that_fits(quantize_calls):
     """quantize_weight reads no data: a cast of the right shape, dtype and device is reused
     whichever recipe made it, as TE reuses its cache. Which recipe made a workspace is checked
-    once per call by the frame (tests/test_workspace_format.py)."""
+    once per call by the frame (tests/shell/test_workspace_format.py)."""
     old = Float8CurrentScaling(Format.E4M3)
     new = RECIPES["current-e4m3-pow2-eps"]
     w = random_matrix(*W_SHAPE)

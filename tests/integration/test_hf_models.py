@@ -1,6 +1,6 @@
 """HuggingFace transformers models converted with tef.convert (tiny configs, no download).
 
-The transform matrix (tests/test_transforms.py) runs both models through every column
+The transform matrix (tests/transforms/test_transforms.py) runs both models through every column
 that applies; this file checks what only a real model exposes: every layer swapped with
 its tensors kept (GPT-2's tied lm_head, its transposed Conv1D weights), recipe None
 bit-identical to the original, training that tracks the high-precision run under every
@@ -24,7 +24,7 @@ from transformers.pytorch_utils import Conv1D  # noqa: E402
 MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
 FP8 = [pytest.param(r, id=rid) for rid, r in RECIPES if r is not None]
 # NVFP4's emulated GEMMs and random bits cost ~100 s for the training run below on CI's CPU;
-# tests/test_nvfp4.py trains under it.
+# tests/layers/test_nvfp4.py trains under it.
 FP8_NOT_FP4 = [p for p in FP8 if not is_fp4(p.values[0])]
 
 

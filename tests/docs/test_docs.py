@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # A fence of three or more backticks, closed by a fence of the same length.
 _FENCE = re.compile(

@@ -1,7 +1,7 @@
 """NVFP4 quantization checked bit for bit against an independent numpy reference.
 
 The reference below is written from the format's definition (E2M1 from its bit
-layout, E4M3 block scales from tests/test_quant.py's FP8 reference, the
+layout, E4M3 block scales from tests/quant/test_quant.py's FP8 reference, the
 per-tensor scale from the amax) and from TransformerEngine's scale arithmetic
 as its kernels round it, in numpy float32; rounding is done by table look-up
 in float64. Stochastic rounding is checked against its rule with random bits

@@ -8,7 +8,7 @@ import torch
 import te_func as tef
 from te_func.quant import scheme_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("te_func_bench_run", ROOT / "benchmarks" / "run.py")
 run = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(run)      # puts benchmarks/ on sys.path, whose modules are all named bench_*

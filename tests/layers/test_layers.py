@@ -489,7 +489,7 @@ def test_grouped_linear_bad_splits(splits, match):
 @pytest.mark.parametrize("recipe", DELAYED)
 def test_norms_run_under_delayed_scaling_without_state(recipe):
     # The norms never quantize, so they run under DelayedScaling with no entries and no state
-    # (the GEMM layers under DelayedScaling: tests/test_layers_delayed.py).
+    # (the GEMM layers under DelayedScaling: tests/layers/test_layers_delayed.py).
     ln = tef.nn.LayerNorm(HIDDEN)
     ws = tef.init_workspaces(ln, recipe)
     assert list(ws) == ["te_func_recipe"]
@@ -503,7 +503,7 @@ def test_norms_run_under_delayed_scaling_without_state(recipe):
 def test_a_second_derivative_in_plain_autograd_is_the_linearizations_or_refused(make):
     """create_graph=True through an FP8 layer whose forward kept only its FP8 casts is refused at
     that backward, naming tef.higher_order(); under it the first derivative is the FP8
-    backward's, bit for bit, and the second is the linearization's (tests/test_higher_order.py):
+    backward's, bit for bit, and the second is the linearization's (tests/transforms/test_higher_order.py):
     finite and not zero."""
     m = perturbed(make())
     x = torch.randn(16, 32, requires_grad=True)

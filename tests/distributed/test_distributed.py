@@ -1,11 +1,11 @@
-"""te_func on torch.distributed, on CPU with gloo: every test starts its own ranks (tests/dist_harness.py).
+"""te_func on torch.distributed, on CPU with gloo: every test starts its own ranks (tests/distributed/dist_harness.py).
 
 The standard is torchao's FSDP2 tests': loss and parameters over 10 steps equal to the
 single-process run. Here they are bit for bit equal, since data parallelism over N ranks
 computes one process's step over the N ranks' batches as N microbatches
 (dist_harness.Reference); workspaces are identical on every rank, and a resumed run is
 bit-identical. Tensor parallelism matches to fp32 rounding (its row-wise partial sums
-add in another order). tests/test_distributed_gpu.py runs the same workers on 2 GPUs.
+add in another order). tests/distributed/test_distributed_gpu.py runs the same workers on 2 GPUs.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import dist_harness as H
 import te_func as tef
 from te_func.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {"current": Float8CurrentScaling(), "delayed": DelayedScaling(amax_history_len=4),
            "delayed-no-reduction": DelayedScaling(amax_history_len=4, reduce_amax=False),
            "mxfp8": MXFP8BlockScaling()}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("te_func_bench_inference", ROOT / "benchmarks" / "inference.py")
 inference = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = inference         # torch.compile imports the module of what it traces

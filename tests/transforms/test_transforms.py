@@ -815,11 +815,11 @@ def test_vmap_takes_the_bit_views_by_te_funcs_rule_where_torch_has_none():
     import subprocess
     import sys
     from pathlib import Path
-    ids = [f"tests/test_transforms.py::{name}" for name in (
+    ids = [f"tests/transforms/test_transforms.py::{name}" for name in (
         "test_vmap_per_sample_grads[Linear-mxfp8]", "test_vmap_per_sample_grads[Linear-block]",
         "test_vmap_ensemble_of_stacked_models[LayerNormMLP-gelu-mxfp8]",
         "test_batch_scope_per_sample_grads_add_up_to_the_batch_gradient[LayerNormLinear-block]")]
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", _FORCED_RULE, *ids], cwd=root, capture_output=True, text=True,
                           timeout=600)
     report = done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,9 +1,9 @@
 """LayerNormLinear, LayerNormMLP and GroupedLinear under DelayedScaling.
 
-Numerics against the float64 references of tests/test_layers.py after two
+Numerics against the float64 references of tests/layers/test_layers.py after two
 warm-up steps (the first step quantizes with scale 1; from the second on the
 scales come from the histories). The state itself is checked as
-tests/test_delayed.py checks Linear's: the amaxes of the tensors each GEMM
+tests/layers/test_delayed.py checks Linear's: the amaxes of the tensors each GEMM
 saw are fed to that file's TransformerEngine-formula reference (`RefState`),
 which must predict every history and scale bit for bit.
 """
@@ -27,7 +27,7 @@ HIDDEN, FFN, TOKENS = 64, 96, 32
 #   LayerNormMLP     fwd 20.8 (qgeglu)-26.0; weight grads >= 18.9 (geglu); other grads (input,
 #                    norm parameters, fc1_bias) >= 17.1 (srelu, sreglu: layer_norm_bias)
 #   GroupedLinear    fwd 28.1-28.5; weight grads >= 24.2; input grad >= 24.8
-# about what Float8CurrentScaling gives (tests/test_layers.py). Thresholds: torchao's bars
+# about what Float8CurrentScaling gives (tests/layers/test_layers.py). Thresholds: torchao's bars
 # (18 fwd, 17 weight grads), and 2 dB under the minimum for the other gradients.
 MIN_SQNR = {"fwd": 18.0, "weight": 17.0, "other": 15.0}
 
@@ -82,7 +82,7 @@ def test_layernorm_mlp_matches_float64(activation):
     ref_out, ref_grads = reference_grads(lambda x, p: ref_mlp(x, p, activation), x, dict(m.named_parameters()),
                                          cot)
     # relu's step derivative caps the gradients upstream of it at 14-19 dB against float64
-    # (measured here 14.2-19.4, as under the other recipes: see tests/test_layers.py), so for
+    # (measured here 14.2-19.4, as under the other recipes: see tests/layers/test_layers.py), so for
     # relu / reglu only the forward and fc2's gradients are held to the bars.
     relu = activation in ("relu", "reglu")
     check(out, grads, ref_out, ref_grads, names=["fc2_weight", "fc2_bias"] if relu else None)
@@ -185,7 +185,7 @@ class _ActivationFn(torch.autograd.Function):
 def _observed_amaxes(mlp, activation, data):
     """Run norm -> fc1 -> act -> fc2 as separate te_func layers (LayerNormLinear, Linear), with
     the MLP's weights of each step, and read the amaxes of the six tensors its GEMMs quantize
-    with hooks (as tests/test_delayed.py does): {(step, micro): {state name: amax}}."""
+    with hooks (as tests/layers/test_delayed.py does): {(step, micro): {state name: amax}}."""
     parts = torch.nn.Sequential(tef.nn.LayerNormLinear(HIDDEN, mlp.fc1_weight.shape[0], return_layernorm_output=True),
                                 _Activation(activation), tef.nn.Linear(FFN, HIDDEN))
     shell, seen = tef.Stateful(parts, RECIPE), {}

@@ -10,7 +10,7 @@ from torch import nn
 
 import te_func as tef
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("te_func_bench_fsdp_llama", ROOT / "benchmarks" / "fsdp_llama.py")
 bench = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = bench           # its dataclasses look their module up there
