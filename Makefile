@@ -18,6 +18,7 @@ $(VENV)/.installed: pyproject.toml
 
 test: venv
 	$(VENV)/bin/ruff check te_func
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -n 2 -q tests $(PYTEST_ARGS)
 
 demo: venv

@@ -11,6 +11,7 @@ The package's layers, each importing only those below it:
     vmapped.py   per-sample gradients and ensembles: vmap with workspaces folded, stacked, unstacked
     convert.py   convert: a torch model's layers swapped for te_func's, every tensor kept
     frame.py     functional_call, init_workspaces, autocast, grad: workspace entries by module path
+    backward_state.py  what a backward produces besides gradients, and how it comes back
     distributed/ torch.distributed: FSDP2's weights, FP8 all-gather, amax reduction, tensor parallelism,
                  checkpoints
     nn/          modules: parameter holders with TE's names; forward calls one functional op

@@ -137,8 +137,8 @@ def guard_cpu_loop_split() -> None:
             if not _mismatched_ranges(e):
                 raise
             return nodes
-    guarded.skips_mismatched_ranges = True
-    CppScheduling.try_loop_split = guarded
+    guarded.skips_mismatched_ranges = True          # type: ignore[attr-defined]  # the patch's mark
+    CppScheduling.try_loop_split = guarded          # type: ignore[method-assign]  # the patch itself
 
 
 def _mismatched_ranges(e: AssertionError) -> bool:

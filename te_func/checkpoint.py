@@ -28,6 +28,7 @@ and torch.compile's partitioner chooses what to recompute; the gradients are the
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -130,10 +131,10 @@ def _owners(frame: Frame, module: nn.Module) -> dict:
 @dataclass(frozen=True, eq=False)
 class _Block:
     """How to run the block again from the Function's inputs (args' tensors, params, entries)."""
-    call: object
+    call: Callable
     module: nn.Module
     leaves: tuple         # (args, kwargs) flattened, None where a tensor input goes
-    spec: object
+    spec: pytree.TreeSpec
     tensors: tuple        # indices of leaves that are tensor inputs
     names: tuple          # parameter names, in input order
     keys: tuple           # workspace entries, in input order
@@ -141,8 +142,8 @@ class _Block:
     keeps_state: bool     # the frame has workspaces (not tef.autocast)
     recipe: object
     owners: dict
-    is_first_microbatch: object
-    update_state: object
+    is_first_microbatch: bool | None
+    update_state: bool | None
     batch_scales: bool
     weight_cache: bool
     # [(pytree spec of the outputs, their leaves with None for each tensor)], set by the forward:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,7 +52,8 @@ def _why_not_linear(in_f: int, out_f: int, weight: torch.Tensor) -> str | None:
     return None
 
 
-def _linear(old: nn.Module, transposed: bool) -> tuple[nn.Module | None, str | None]:
+def _linear(old: Any, transposed: bool) -> tuple[nn.Module | None, str | None]:
+    # old: an nn.Linear, or a transformers Conv1D (transposed), read by its attributes
     weight = old.weight
     in_f, out_f = (weight.shape if transposed else weight.shape[::-1])
     why = _why_not_linear(in_f, out_f, weight)
@@ -64,7 +66,7 @@ def _linear(old: nn.Module, transposed: bool) -> tuple[nn.Module | None, str | N
     return new, None
 
 
-def _norm(old: nn.Module) -> tuple[nn.Module | None, str | None]:
+def _norm(old: nn.LayerNorm | nn.RMSNorm) -> tuple[nn.Module | None, str | None]:
     shape = tuple(old.normalized_shape)
     if len(shape) != 1:
         return None, f"normalized_shape={shape}: te_func's norms normalize over the last dim only"
@@ -72,6 +74,7 @@ def _norm(old: nn.Module) -> tuple[nn.Module | None, str | None]:
         return None, "elementwise_affine=False: te_func's norms always scale by a weight"
     if old.weight.dtype not in _DTYPES:
         return None, f"weight dtype {old.weight.dtype}: te_func's norms take float32, bfloat16 and float16"
+    new: LayerNorm | RMSNorm
     if isinstance(old, nn.LayerNorm):
         new = LayerNorm(shape[0], eps=old.eps, params_dtype=old.weight.dtype, device="meta")
         new.weight, new.bias = old.weight, old.bias

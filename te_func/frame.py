@@ -13,7 +13,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import _compat, distributed
+from . import _compat, backward_state, distributed
 from .errors import (EntryMismatchError, MissingEntryError, RecipeMismatchError, TransformError, UnknownEntryError,
                      WorkspaceError)
 from .functional._common import first_microbatch
@@ -69,7 +69,7 @@ def backward_keys(model: nn.Module, recipe) -> list[str]:
     return [k for k, e in workspace_spec(model, recipe).items() if e.backward]
 
 
-def backward_weights(model: nn.Module, recipe) -> dict[str, torch.Tensor]:
+def backward_weights(model: nn.Module, recipe) -> dict[str, torch.Tensor | None]:
     """Each entry that backward updates (backward_keys) -> the GEMM weight parameter of the GEMM
     whose backward updates it (None where the layer has no such attribute)."""
     _check_recipe(recipe)
@@ -272,7 +272,8 @@ def _validate(model, ws, recipe) -> tuple[dict, bool]:
     layout = _layout_problem(ws)
     if layout is not None:
         raise layout
-    owners, dropped = {}, set()
+    owners: dict = {}
+    dropped: set[str] = set()
     first_entry = next(_entry_problems(model, ws, recipe, owners, dropped), None)
     made_for = _made_for_problem(ws, recipe)
     if made_for is not None:
@@ -354,8 +355,8 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
 def _refuse_second_differentiated_call(model, owners: dict, scopes: list, backward: list) -> None:
     """Refuses a layer with backward-time state (DelayedScaling's grad histories) in a second
     functional_call inside one tef.grad: its backward amax would be lost, not recorded."""
-    backward = set(backward)
-    layers = {i: path for i, (path, names, _) in owners.items() if any(_prefix(path) + n in backward for n in names)}
+    keys = set(backward)
+    layers = {i: path for i, (path, names, _) in owners.items() if any(_prefix(path) + n in keys for n in names)}
     for scope in scopes:
         if scope.differentiated is None:
             continue
@@ -429,29 +430,7 @@ def _grad_and_value(fn, argnums, fn_name, args, kwargs):
     grads = grads[0] if isinstance(argnums, int) else tuple(grads)
     grads = distributed.scattered_grads(grads, argnums, shard_specs)
     backward = {k: state_grads[k] for k in scope.backward_keys if k in state_grads}
-    return grads, loss, merge_backward_state(new_ws, _reduce_backward_amaxes(backward, scope.amax_groups))
-
-
-def _reduce_backward_amaxes(state_grads: dict, groups: dict) -> dict:
-    """The backward amaxes (slot 0 of each grad history's "gradient") all-reduced over the group
-    each entry's call chose, one all-reduce per group, as TE reduces them after a backward."""
-    by_group = {}
-    for k, g in state_grads.items():
-        if groups.get(k) is not None:
-            by_group.setdefault(groups[k], {})[k] = g
-    for group, entries in by_group.items():
-        state_grads = {**state_grads, **distributed.reduce_amax_slots(entries, group)}
-    return state_grads
-
-
-def merge_backward_state(new_ws: dict, state_grads: dict) -> dict:
-    """new_ws with each grad record combined with its "gradient" by elementwise max.
-
-    For a history that gradient is zero but for slot 0, the backward amax
-    (te_func.ops.gemm_layer.backward_amax), so the max records it in the current step's slot,
-    also across microbatches; a sum would add amaxes. A batch amax's is the amax itself.
-    """
-    return {**new_ws, **{k: torch.maximum(new_ws[k], g) for k, g in state_grads.items()}}
+    return grads, loss, backward_state.merge(new_ws, backward_state.reduce_amaxes(backward, scope.amax_groups))
 
 
 def grad(fn, argnums=0):

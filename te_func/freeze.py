@@ -24,7 +24,7 @@ from .frame import _check_recipe, validate_workspaces
 from .functional._gemm import GemmStep
 from .nn import TEModule
 from .nn.frozen import FROZEN_LAYERS, FrozenLayer
-from .quant import Quantized, lower
+from .quant import DelayedState, Quantized, lower
 from .shell import Stateful
 
 __all__ = ["freeze", "frozen_layers"]
@@ -74,14 +74,15 @@ def _frozen(path: str, source: TEModule, skeleton: nn.Module, recipe, ws: dict |
         local = {k[len(prefix):]: v for k, v in ws.items() if k.startswith(prefix)} if ws is not None \
             else lowering.write(g, lowering.init(g, weight))
         step = GemmStep.begin(g, weight, recipe, local, False, update_state=False)
-        cast = step.state.cast.rowwise
+        cast = step.cast.rowwise
         amax = None if cast.global_amax is None else _own(cast.global_amax, device)
         casts[g.weight] = Quantized(_own(cast.data, device), _own(cast.scale_inv, device), cast.block, amax,
                                     cast.columns)
-        if step.state.input is not None:
+        if isinstance(step.state.input, DelayedState):
             scales[g.weight] = _own(step.state.input.scale, device)
         param = source.get_parameter(g.weight)          # as the model holds it (Conv1D's: (in, out))
         meta[g.weight] = (tuple(param.shape), param.dtype)
+    assert isinstance(skeleton, TEModule)       # the source's copy
     return FROZEN_LAYERS[type(source)](skeleton, recipe, casts, scales, weight_only_tokens, meta)
 
 

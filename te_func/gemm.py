@@ -56,11 +56,11 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
     the epilogue: added to the fp32 product, then rounded once. cuBLASLt takes no bias for an fp32
     result; in fp32 the add after the GEMM is that same sum. fast_accum None: torch's default
     (block-scaled GEMMs take no such option)."""
-    fp32_bias = bias is not None and out_dtype == torch.float32
-    accum = {} if fast_accum is None else {"use_fast_accum": fast_accum}
+    fp32_bias = bias if out_dtype == torch.float32 else None
+    accum: dict = {} if fast_accum is None else {"use_fast_accum": fast_accum}
     out = torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=scale_a, scale_b=scale_b,
-                           bias=None if fp32_bias else bias, out_dtype=out_dtype, **accum)
-    return out + bias if fp32_bias else out
+                           bias=None if fp32_bias is not None else bias, out_dtype=out_dtype, **accum)
+    return out if fp32_bias is None else out + fp32_bias
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -131,7 +131,7 @@ def _nvfp4_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.
     (compute_nvfp4_per_tensor_scale_kernel), then adds the bias. Hopper and CPUs have no FP4 GEMM:
     this fp32 GEMM computes the same function up to accumulation order; on a GPU its operands are
     exact in tf32 too, so allow_tf32 changes nothing."""
-    if not (a.nvfp4 and b.nvfp4):
+    if a.global_amax is None or b.global_amax is None:
         raise ValueError("an NVFP4 GEMM needs two NVFP4 operands (te_func.quant.Quantized with global_amax)")
     acc = nvfp4_block_values(a) @ nvfp4_block_values(b).t()
     alpha = (a.global_amax * b.global_amax) * (1.0 / (nvfp4.E2M1_MAX ** 2 * nvfp4.E4M3_MAX ** 2))

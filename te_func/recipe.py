@@ -54,7 +54,7 @@ def _static_default(f: dataclasses.Field):
     # The default a field has with no environment variable set.
     if "static" in f.metadata:
         return f.metadata["static"]
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return f.default_factory() if callable(f.default_factory) else f.default
 
 
 def _remember_fingerprint(recipe) -> None:

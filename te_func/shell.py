@@ -12,7 +12,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import _compat, distributed
+from . import _compat, backward_state, distributed
 from .errors import FrozenModelError, TransformError
 from .frame import (backward_keys, backward_weights, functional_call, init_workspaces, keeps_weight_casts,
                     mark_static, upgrade_workspaces, workspace_spec)
@@ -24,100 +24,6 @@ from .quant.workspace import RECIPE_KEY
 __all__ = ["Stateful"]
 
 _WS = "workspaces."
-
-
-# --- backward amaxes: inboxes -----------------------------------------------------------------
-# Under DelayedScaling each GEMM's backward computes its output gradient's amax, which belongs
-# in the current slot of the shell's grad history of that GEMM. Backwards leave it in the
-# history's inbox (a private buffer of the shell, shaped like the history), by max; the shell
-# merges each inbox into its history, by max, and empties it: when a backward that it hears of
-# ends, when the workspaces are read, and at the start of every call, before the frame updates
-# and rolls the histories: an amax always lands in the slot that was current when its backward
-# ran.
-
-@torch.library.custom_op("te_func::merge_inboxes", mutates_args=())
-def _merge_inboxes(histories: list[torch.Tensor], inboxes: list[torch.Tensor]) -> list[torch.Tensor]:
-    """max(history, inbox) of each pair ((L,) fp32 each), leaving the inboxes zero.
-
-    Declared as not mutating the inboxes, on purpose: torch.compile would otherwise hand a
-    compiled backward each inbox as the compiled forward left it (zeros), and that backward's
-    max would overwrite what other backwards put in the inbox since (and fail autograd's
-    version check). Opaque to the compiler, the emptying leaves the inboxes untouched as far
-    as AOTAutograd knows, so a compiled backward reads and writes the live buffers."""
-    merged = [torch.maximum(h, inbox) for h, inbox in zip(histories, inboxes)]
-    for inbox in inboxes:
-        inbox.zero_()
-    return merged
-
-
-@_merge_inboxes.register_fake
-def _(histories, inboxes):
-    return [torch.empty_like(h) for h in histories]
-
-
-class _DeliverToInboxes(torch.autograd.Function):
-    """`_DeliverToInboxes.apply(*histories, *inboxes)` is `histories` ((L,) fp32 each), for the
-    ops that read them. Backward merges each history's gradient (the backward amax, zero but
-    for slot 0: te_func.ops.gemm_layer.backward_amax) into its inbox by max, in place, and
-    passes no gradient on. Inside a compiled graph this runs whatever the backward was asked
-    for: the graph is one autograd node, which autograd.grad(loss, params) runs as
-    loss.backward() does. One Function for all histories: dynamo traces each Function apply
-    at length."""
-
-    @staticmethod
-    def forward(*histories_and_inboxes):
-        histories = histories_and_inboxes[:len(histories_and_inboxes) // 2]
-        return tuple(h.view_as(h) for h in histories)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        # Kept on ctx, not saved for backward: saved tensors are version-checked, and other
-        # backwards and merges write the inboxes between this forward and its backward.
-        ctx.inboxes = inputs[len(inputs) // 2:]
-
-    @staticmethod
-    def backward(ctx, *amaxes):
-        for inbox, amax in zip(ctx.inboxes, amaxes):
-            inbox.copy_(torch.maximum(inbox, amax))
-        return (None,) * (2 * len(amaxes))
-
-
-def _deliver(shell_ref, key: str, amax: torch.Tensor):
-    """An eager call's backward amax ((L,), zero but for slot 0) for history `key`, from the op's
-    node: into the inbox by max. The shell is held weakly: a dropped shell is freed, however
-    many graphs saw it."""
-    shell = shell_ref()
-    if shell is None or key not in shell._inboxes:
-        return
-    inbox = shell._inboxes[key]
-    inbox.copy_(torch.maximum(inbox, amax.detach().to(inbox.device)))
-    _merge_when_backward_ends(shell_ref)
-
-
-def _merge_when_backward_ends(shell_ref, grad=None):
-    # Also a tensor hook on each GEMM weight (grad: its gradient, left as it is): a backward that
-    # computes a weight's gradient went through its layer, whose amax may wait in an inbox.
-    shell = shell_ref()
-    if shell is None:
-        return
-    task = _compat.backward_task_id()
-    if shell._merge_queued_for != task:      # once per backward
-        shell._merge_queued_for = task
-        _compat.queue_backward_callback(functools.partial(_merge_now, shell_ref))
-
-
-def _merge_now(shell_ref):
-    shell = shell_ref()
-    if shell is None:
-        return
-    shell._merge_queued_for = None
-    shell._workspaces = shell._merged(shell._workspaces)
-
-
-def _remove_hooks(handles: list):
-    for handle in handles:
-        handle.remove()
-    handles.clear()
 
 
 _WEIGHTS_ONLY = ("the checkpoint has no workspace entries (workspaces.*): it holds weights only. Load it with "
@@ -220,7 +126,7 @@ class Stateful(nn.Module):
     def _make_sinks_and_inboxes(self):
         # Each op computes its backward amax only where its grad history requires grad. Eager
         # calls make a leaf per call and hear of the amax from the op's node (see forward).
-        # Compiled calls read each grad history as `entry + sink` through _DeliverToInboxes: the
+        # Compiled calls read each grad history as `entry + sink` through DeliverToInboxes: the
         # sink is a zero leaf made here (outside the graph), the same each call, which never
         # gets a gradient. Sinks and inboxes live in plain dicts, not as parameters or buffers:
         # no optimizer or state_dict sees them.
@@ -245,7 +151,7 @@ class Stateful(nn.Module):
         """`ws` with each inbox merged into its history by max (all-reduced under amax
         reduction), the inboxes left empty."""
         keys = self._backward_keys
-        merged = dict(zip(keys, _merge_inboxes([ws[k] for k in keys], [self._inboxes[k] for k in keys])))
+        merged = dict(zip(keys, backward_state.merge_inboxes([ws[k] for k in keys], [self._inboxes[k] for k in keys])))
         # Slot 0 of each history, the same on every rank before the merge, all-reduced after
         # it: max over the ranks of each rank's amaxes, as TE reduces after a backward.
         return {**ws, **distributed.reduce_amax_slots(merged, self._amax_reduction)}
@@ -259,18 +165,18 @@ class Stateful(nn.Module):
         if hooks is None:
             hooks = self._weight_hooks = []
             # A dropped shell takes its hooks off the weights: the model may outlive it.
-            weakref.finalize(self, _remove_hooks, hooks)
-        _remove_hooks(hooks)
+            weakref.finalize(self, backward_state.remove_hooks, hooks)
+        backward_state.remove_hooks(hooks)
         for w in backward_weights(self.model, self.recipe).values():
             if isinstance(w, torch.Tensor) and w.requires_grad and w.is_leaf:
-                hooks.append(w.register_hook(functools.partial(_merge_when_backward_ends, me)))
+                hooks.append(w.register_hook(functools.partial(backward_state.merge_when_backward_ends, me)))
 
     def _watcher(self):
         me, keys = weakref.ref(self), set(self._backward_keys)
 
         def watch(entries: dict):
             for key in keys.intersection(entries):
-                on_backward(entries[key], functools.partial(_deliver, me, key))
+                on_backward(entries[key], functools.partial(backward_state.deliver, me, key))
         return watch
 
     def reset_workspaces(self):
@@ -304,7 +210,7 @@ class Stateful(nn.Module):
             if compiling:
                 # The op's amax leaves the graph through the inbox, whatever the backward's inputs.
                 keys = self._backward_keys
-                read = _DeliverToInboxes.apply(*(ws[k] + self._sinks[k] for k in keys),
+                read = backward_state.DeliverToInboxes.apply(*(ws[k] + self._sinks[k] for k in keys),
                                                *(self._inboxes[k] for k in keys))
                 ws = {**ws, **dict(zip(keys, read))}
                 self._compiled = True

@@ -49,10 +49,12 @@ def state_dict(shell, optimizer=None) -> dict:
     """{"model", "optim" (with an optimizer), "workspaces"} of `shell` (a te_func.Stateful),
     for torch.distributed.checkpoint.save / load. Collective: call it on every rank."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    sd: dict
     if optimizer is None:
         sd = {"model": get_model_state_dict(shell.model)}
     else:
-        sd = dict(zip(("model", "optim"), get_state_dict(shell.model, optimizer)))
+        model_sd, optim_sd = get_state_dict(shell.model, optimizer)
+        sd = {"model": model_sd, "optim": optim_sd}
     # Backward amaxes a compiled call left waiting (under amax reduction, for the next call: a
     # read merges none) join the histories here, all-reduced: this function is collective.
     shell._merge_pending()

@@ -28,12 +28,16 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..ops import call
+
+if TYPE_CHECKING:       # imported only when used: torch.distributed.tensor is slow to import
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["fsdp_units", "is_fsdp_managed", "cast_sources", "gathered_params", "gathered_for_grad", "scattered_grads"]
 
@@ -42,7 +46,7 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
+def fsdp_units(model: nn.Module) -> dict:
     """Path -> module of every `fully_shard` unit in `model` (empty without torch.distributed)."""
     if not _initialized():
         return {}
@@ -69,7 +73,7 @@ def _check_spec(name: str, spec):
             f"shard_placement_fn). Train such a model through tef.Stateful, where FSDP gathers it")
 
 
-def _full(weight: torch.Tensor) -> torch.Tensor:
+def _full(weight: DTensor) -> torch.Tensor:
     """The whole value of an FSDP-sharded DTensor, as a plain tensor."""
     spec = weight._spec
     local = weight.to_local()
@@ -151,11 +155,11 @@ class _GatherShards:
         return {"local": _reduce_scatter_rows(grads["full"], self.group)}
 
 
-def _gather(name: str, t: torch.Tensor) -> torch.Tensor:
+def _gather(name: str, t: DTensor) -> torch.Tensor:
     spec = t._spec
     _check_spec(name, spec)
-    t = t.to_local()      # differentiable: the shard's gradient comes back a DTensor
-    return call(_GatherShards(spec.mesh.get_group(), spec.shape[0]), local=t)["full"]
+    local = t.to_local()      # differentiable: the shard's gradient comes back a DTensor
+    return call(_GatherShards(spec.mesh.get_group(), spec.shape[0]), local=local)["full"]
 
 
 @contextlib.contextmanager
@@ -225,19 +229,19 @@ def gathered_for_grad(args: tuple, argnums: tuple) -> tuple[tuple, dict]:
     gradients' reduce-scatter (`scattered_grads`) run outside the transform."""
     if not _initialized():
         return args, {}
-    args, specs = list(args), {}
+    gathered, specs = list(args), {}
     for n in argnums:
-        a = args[n]
+        a = gathered[n]
         if isinstance(a, dict) and any(_is_dtensor(v) for v in a.values()):
             for k, v in a.items():
                 if _is_dtensor(v):
                     _check_spec(k, v._spec)
                     specs[k] = v._spec
             with torch.no_grad():
-                args[n] = {k: _full(v) if k in specs else v for k, v in a.items()}
+                gathered[n] = {k: _full(v) if k in specs else v for k, v in a.items()}
         elif not isinstance(a, dict) and any(_is_dtensor(v) for v in torch.utils._pytree.tree_leaves(a)):
             raise TypeError("tef.grad: pass DTensor (FSDP-sharded) parameters as one dict, name -> tensor")
-    return tuple(args), specs
+    return tuple(gathered), specs
 
 
 def _scatter(g: torch.Tensor, spec) -> torch.Tensor:

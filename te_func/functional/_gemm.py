@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import GemmConfig, GemmSlot
-from ..quant import Gemm, GemmWorkspace, Lowering, advance_rng, cast_weight, lower
+from ..quant import Gemm, GemmWorkspace, Lowering, WeightCast, advance_rng, cast_weight, lower
 from ._common import needs_weight_grad
 
 __all__ = ["GemmStep", "starts_step"]
@@ -65,9 +65,15 @@ class GemmStep:
         next_rng = advance_rng(gw.rng) if gw.rng is not None and _trains(update_state) else gw.rng
         return cls(gemm, lowering, slot, gw._replace(cast=cast, weight=weight_state), sink, next_rng)
 
+    @property
+    def cast(self) -> WeightCast:
+        """The weight cast this call uses."""
+        assert self.state.cast is not None      # `begin` casts the weight (or takes the cached cast)
+        return self.state.cast
+
     def tensors(self) -> dict:
         """The slot's inputs by name."""
-        return self.slot.inputs(self.state.cast, self.state.input, self.state.grad, self.sink, self.state.rng)
+        return self.slot.inputs(self.cast, self.state.input, self.state.grad, self.sink, self.state.rng)
 
     def entries(self, outputs: dict) -> dict:
         """The op-local workspace entries this call leaves, from the op's outputs."""

@@ -60,8 +60,8 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
     if recipe is None:
         ln_out = norm_reference(inp, ln_weight, ln_bias, norm_cfg)
         cast = lambda t: None if t is None else t.to(inp.dtype)  # noqa: E731
-        fc1_out = F.linear(ln_out, cast(fc1_weight), cast(fc1_bias))
-        out = F.linear(activation_reference(act, fc1_out), cast(fc2_weight), cast(fc2_bias))
+        fc1_out = F.linear(ln_out, fc1_weight.to(inp.dtype), cast(fc1_bias))
+        out = F.linear(activation_reference(act, fc1_out), fc2_weight.to(inp.dtype), cast(fc2_bias))
         entries = {}
     else:
         ifm = first_microbatch(is_first_microbatch, layer)

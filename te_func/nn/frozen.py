@@ -20,6 +20,9 @@ input that requires grad is refused.
 """
 from __future__ import annotations
 
+import typing
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -38,6 +41,7 @@ from .grouped_linear import GroupedLinear
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear, TransposedLinear
+from .module import TEModule
 
 __all__ = ["FrozenCast", "FrozenLayer", "FrozenLinear", "FrozenLayerNormLinear", "FrozenLayerNormMLP",
            "FrozenGroupedLinear", "FROZEN_LAYERS"]
@@ -48,7 +52,7 @@ __all__ = ["FrozenCast", "FrozenLayer", "FrozenLinear", "FrozenLayerNormLinear",
 # once per place it reads it from, so a config read from this one table is checked once per
 # graph, where configs held by each layer were checked field by field in every layer, on every
 # call (some 30 checks per GEMM).
-_CONFIGS: dict[str, object] = {}
+_CONFIGS: dict[str, Any] = {}
 
 
 def _interned(config) -> str:
@@ -61,6 +65,9 @@ def _interned(config) -> str:
 class FrozenCast(nn.Module):
     """One GEMM weight's forward cast: buffers `data` (out, in) and `scale_inv`, and under
     NVFP4 `global_amax` (None otherwise, so not in the state_dict)."""
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    global_amax: torch.Tensor | None
 
     def __init__(self, cast: Quantized):
         super().__init__()
@@ -82,8 +89,20 @@ class FrozenLayer(nn.Module):
     at most this many tokens run weight-only FP8 (te_func.gemm.weight_only_gemm), 0 never.
     """
     features_attr = "in_features"      # the option that names the input's last dim
+    # The source's options a call reads (copied from it in __init__), and the cast's buffers.
+    in_features: int
+    out_features: int
+    hidden_size: int
+    num_gemms: int
+    normalization: str
+    eps: float
+    zero_centered_gamma: bool
+    activation: str
+    activation_params: dict | None
+    return_bias: bool
+    return_layernorm_output: bool
 
-    def __init__(self, source: nn.Module, recipe, casts: dict, input_scales: dict, weight_only_tokens: int = 0,
+    def __init__(self, source: TEModule, recipe, casts: dict, input_scales: dict, weight_only_tokens: int = 0,
                  weight_meta: dict | None = None):
         super().__init__()
         self.layer = f"frozen {type(source).__name__}"
@@ -122,7 +141,7 @@ class FrozenLayer(nn.Module):
         # Both GEMM configs a call can pick, made once: FP8 x FP8, and weight-only for few tokens.
         gemm = tuple(GemmConfig.of(recipe, save_input=False, weight_only=w) for w in (False, True))
         self._config_names = tuple(_interned(c) for c in gemm)
-        norm = ()
+        norm: tuple = ()
         if hasattr(self, "normalization"):      # the norm-fused layers
             norm = (norm_config(self.layer, self.normalization, self.eps, self.zero_centered_gamma),)
             self._norm_name = _interned(norm[0])
@@ -176,7 +195,8 @@ class FrozenLayer(nn.Module):
             # Weight-only GEMMs do not quantize their input: its scale is not read (nor guarded).
             scale, scale_inv = (None, None) if scale_name is None or weight_only else \
                 (getattr(self, scale_name), getattr(self, scale_name + "_inv"))
-            tensors.update(slot.forward_inputs(self.get_submodule(f"{weight}_cast").quantized(), scale, scale_inv))
+            cast = typing.cast(FrozenCast, self.get_submodule(f"{weight}_cast"))
+            tensors.update(slot.forward_inputs(cast.quantized(), scale, scale_inv))
             slots.append(slot)
         return tuple(slots), tensors
 

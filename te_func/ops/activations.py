@@ -253,7 +253,7 @@ def activation_backward(act: Activation, dy: torch.Tensor, x: torch.Tensor) -> t
     xf, dy = x.to(ct), dy.to(ct)
     if kind.gated:
         a, g = xf.chunk(2, dim=-1)
-        gate, dgate = (g, 1.0) if kind.gate is None else (kind.gate(g, **p), kind.dgate(g, **p))
+        gate, dgate = (g, 1.0) if kind.gate is None or kind.dgate is None else (kind.gate(g, **p), kind.dgate(g, **p))
         return torch.cat([k.dfn(dy * gate, a), dy * k.fn(a) * dgate], dim=-1).to(x.dtype)
     return k.dfn(dy, xf).to(x.dtype)
 

@@ -266,7 +266,7 @@ def _linearized_grads(op, saved: dict, out_grads: dict, input_grads: dict, need:
     fixed = {k: saved[k] for k in op.linearization_inputs if k not in wanted}
     sizes = {k: v for k, v in saved.items() if isinstance(v, (int, torch.SymInt))}
     outputs, vjp = torch.func.vjp(lambda *d: op.linearized({**fixed, **sizes, **dict(zip(wanted, d))}),
-                                  *(saved[k] for k in wanted))
+                                  *(saved[k] for k in wanted))[:2]     # (outputs, vjp function)
     linear = vjp({k: torch.zeros_like(v) if out_grads.get(k) is None else out_grads[k].to(v.dtype)
                   for k, v in outputs.items()})
     return {**input_grads, **{k: input_grads[k] + (g - g.detach()).to(input_grads[k].dtype)
@@ -304,14 +304,14 @@ def on_backward(t: torch.Tensor, fn) -> bool:
     """
     node = t.grad_fn
     op = getattr(node, "op", None)
-    if op is None or not isinstance(getattr(node, "names", None), tuple):
+    if node is None or op is None or not isinstance(getattr(node, "names", None), tuple):
         return False
     source = op.carried.get(op.outputs[t.output_nr])
     if source is None:
         return False
     # The node's gradients are those of forward's tensor inputs only, in order (autograd drops
     # the non-tensor ones: op, names, and inputs given as None); dtypes lists exactly those.
-    tensor_inputs = list(node.dtypes)
+    tensor_inputs = list(node.dtypes)      # type: ignore[attr-defined]  # a te_func op's node has them
     if source not in tensor_inputs:
         return False
     index = tensor_inputs.index(source)

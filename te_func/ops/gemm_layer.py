@@ -72,10 +72,13 @@ class GemmConfig:
     @classmethod
     def of(cls, recipe, save_input: bool, weight_only: bool = False) -> GemmConfig:
         """The config `recipe` gives one GEMM (MMParams.use_split_accumulator -> fast_accum)."""
-        mm = [getattr(recipe, f"fp8_gemm_{g}", None) for g in ("fprop", "dgrad", "wgrad")]
-        fast = tuple(d if p is None else not p.use_split_accumulator for p, d in zip(mm, _DEFAULT_FAST_ACCUM))
-        return cls(*(scheme_for(recipe, role) for role in ("input", "weight", "grad")), save_input=save_input,
-                   fast_accum=fast, backward_override=recipe.backward_override, weight_only=weight_only)
+        def fast(gemm: str, default: bool) -> bool:
+            mm = getattr(recipe, f"fp8_gemm_{gemm}", None)
+            return default if mm is None else not mm.use_split_accumulator
+        fprop, dgrad, wgrad = _DEFAULT_FAST_ACCUM
+        return cls(scheme_for(recipe, "input"), scheme_for(recipe, "weight"), scheme_for(recipe, "grad"),
+                   save_input=save_input, fast_accum=(fast("fprop", fprop), fast("dgrad", dgrad), fast("wgrad", wgrad)),
+                   backward_override=recipe.backward_override, weight_only=weight_only)
 
 
 def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: GemmConfig,
@@ -113,10 +116,11 @@ def quantize_grad(grad_out: torch.Tensor, cfg: GemmConfig, with_transpose: bool,
 
 
 def backward_gemms(gq: Quantized, gq_t: Quantized | None, w_t: Quantized | None, xq_t: Quantized | None,
-                   cfg: GemmConfig, x_dtype: torch.dtype, w_dtype: torch.dtype):
-    """The input- and weight-gradient GEMMs from the output gradient's casts: (dx or None, dw or None)."""
-    dx = None if w_t is None else gemm(gq, w_t, x_dtype, fast_accum=cfg.fast_accum[1])
-    dw = None if xq_t is None else gemm(gq_t, xq_t, w_dtype, fast_accum=cfg.fast_accum[2])
+                   cfg: GemmConfig, x_dtype: torch.dtype | None, w_dtype: torch.dtype):
+    """The input- and weight-gradient GEMMs from the output gradient's casts: (dx or None, dw or
+    None); dx where w_t and x_dtype are given, dw where xq_t and gq_t are."""
+    dx = None if w_t is None or x_dtype is None else gemm(gq, w_t, x_dtype, fast_accum=cfg.fast_accum[1])
+    dw = None if xq_t is None or gq_t is None else gemm(gq_t, xq_t, w_dtype, fast_accum=cfg.fast_accum[2])
     return dx, dw
 
 
@@ -264,7 +268,7 @@ class GemmSlot:
         w = Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block, t[n("w_amax")], None)
         out, xq, xq_t, new_x = forward_gemm(x, w, bias, cfg, _state(cfg.input, t[n("x_record")], t[n("x_scale")]),
                                             x_amax, t.get(n("x_scale_inv")))
-        saved = (None, None, None)
+        saved: tuple = (None, None, None)
         if cfg.save_input:
             saved = {None: (None, None, None) if xq_t is None else (xq_t.data, xq_t.scale_inv, xq_t.global_amax),
                      "dequantized": (xq.data, xq.scale_inv, xq.global_amax),
@@ -296,7 +300,7 @@ class GemmSlot:
             g_state = s[n("g_rng")]
         else:
             g_state = _state(cfg.grad, s[n("g_record")], s[n("g_scale")])
-            if isinstance(g_state, DelayedState):
+            if isinstance(g_state, DelayedState) and g_state.amax_history is not None:
                 # The amax goes into a zero history: only this backward's amax comes back (see backward_amax).
                 g_state = DelayedState(torch.zeros_like(g_state.amax_history), g_state.scale)
         if not (need_dx or need_dw):

@@ -43,6 +43,8 @@ def delayed_update(state: DelayedState, recipe: DelayedScaling, role: str) -> De
     history are skipped by the max, as TE's fmax does.
     """
     history, scale = state
+    if history is None:
+        raise ValueError("delayed_update: a forward-only DelayedState (a frozen model's) has no history to update")
     # TE's arithmetic: (fp8_max * 2**-margin) / amax, one fp32 division.
     scaled_max = scheme_for(recipe, role).fp8_max * 2.0 ** -recipe.margin
     fused = fused_update(history, scale, scaled_max, recipe.amax_compute_algo != "max")

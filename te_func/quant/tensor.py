@@ -81,8 +81,8 @@ class DelayedState(NamedTuple):
     scale: torch.Tensor                # () float32
 
     @property
-    def record(self) -> torch.Tensor:
-        """What a quantization writes its amax into: the history."""
+    def record(self) -> torch.Tensor | None:
+        """What a quantization writes its amax into: the history (None: forward-only)."""
         return self.amax_history
 
     def with_record(self, record: torch.Tensor) -> DelayedState:
@@ -202,13 +202,14 @@ def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | No
     below): (q, q of x.T or None, new_state), or None where the kernels do not apply."""
     if (s.rule == "delayed") != (state is not None):
         return None     # delayed without its state (an error below), or current with a batch amax
+    delayed = state if isinstance(state, DelayedState) else None
     out = tensorwise_cast(x, s.dtype, s.fp8_max, s.amax_epsilon, s.power_2_scale,
-                          state.scale if s.rule == "delayed" else None, with_transpose, amax)
+                          None if delayed is None else delayed.scale, with_transpose, amax)
     if out is None:
         return None
     data, data_t, scale_inv, amax = out
     q_t = None if data_t is None else Quantized.tensorwise(data_t, scale_inv)
-    return Quantized.tensorwise(data, scale_inv), q_t, record_amax(state, amax) if s.rule == "delayed" else None
+    return Quantized.tensorwise(data, scale_inv), q_t, None if delayed is None else record_amax(delayed, amax)
 
 
 def _compiled_cast(x: torch.Tensor, s: Scheme, amax: torch.Tensor | None) -> Quantized | None:
@@ -256,12 +257,13 @@ def _quantize_nvfp4(x: torch.Tensor, s: Scheme, rng: torch.Tensor | None, stream
                          "(te_func.quant.nvfp4.init_rng_state(seed)); layers keep one per GEMM in their "
                          "workspaces (tef.init_workspaces(model, recipe)), or set "
                          "NVFP4BlockScaling(disable_stochastic_rounding=True)")
+    assert s.block is not None      # NVFP4's blocks
     v = (nvfp4.hadamard_transform(x) if hadamard else x).float()
     amax = amax_of(v)
     s_enc = nvfp4.global_encode_scale(amax)
     scale = nvfp4.block_decode_scale(torch.amax(abs_skipping_nan(_blocked(v, s.block)), dim=(1, 3)), s_enc)
     scaled = v * _expand(nvfp4.block_encode_scale(scale, torch.reciprocal(s_enc)), s.block, v.shape)
-    if s.stochastic_rounding:
+    if s.stochastic_rounding and rng is not None:       # (refused above without rng)
         codes = nvfp4.stochastic_round_to_e2m1(scaled, nvfp4.random_bytes(rng, stream, scaled.shape))
     else:
         codes = nvfp4.round_to_e2m1(scaled)
@@ -338,7 +340,7 @@ def transpose(q: Quantized) -> Quantized:
     """The cast of x.T from the cast of x, for schemes whose blocks are square."""
     if q.block is not None and q.block[0] != q.block[1]:
         raise ValueError(f"a {q.block} block cast cannot be transposed: quantize x.T instead")
-    if q.nvfp4:     # unpack, transpose the codes, pack again; the global amax is the same
+    if q.global_amax is not None:     # NVFP4: unpack, transpose the codes, pack again; the same amax
         codes = nvfp4.unpack_e2m1(q.data, q.shape[-1]).t()
         scale_inv = q.scale_inv.t().clone(memory_format=torch.contiguous_format)
         return Quantized(nvfp4.pack_e2m1(codes), scale_inv, q.block, q.global_amax.clone(), q.data.shape[0])
@@ -371,6 +373,7 @@ def nvfp4_block_values(q: Quantized) -> torch.Tensor:
     """An NVFP4 tensor's e2m1 values times their block scales, fp32, (rows, 2 * bytes): the zero-
     padded rows the FP4 GEMM reads, without the per-tensor factor. Exact: an E2M1 value (2
     significant bits) times an E4M3 scale (4) fits fp32, bf16 and tf32 alike."""
+    assert q.block is not None
     values = nvfp4.e2m1_values(nvfp4.unpack_e2m1(q.data))
     return values * _expand(q.scale_inv.float(), q.block, values.shape)
 
@@ -381,7 +384,7 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
     NVFP4 as TE's dequantize kernel: e2m1 * fl(fl(scale_inv * global_amax) * fl32(1 / 2688)),
     in fp32, then cast to `dtype`; the result has `q.shape`.
     """
-    if q.nvfp4:
+    if q.global_amax is not None and q.block is not None:     # NVFP4
         values = nvfp4.e2m1_values(nvfp4.unpack_e2m1(q.data, q.shape[-1]))
         factor = (q.scale_inv.float() * q.global_amax) * (1.0 / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX))
         return (values * _expand(factor, q.block, values.shape)).to(dtype)

@@ -33,7 +33,8 @@ def _fits(weight: torch.Tensor, s: Scheme, flat: dict) -> bool:
     # Metadata only (no data is read): shape, dtype and device of every entry. Which
     # recipe made the cast is checked once per call by the frame (the workspace's
     # te_func_recipe entry); TE checks only that the cast has the usage it needs.
-    for name, e in cast_entries(tuple(weight.shape), s).items():
+    out_f, in_f = weight.shape
+    for name, e in cast_entries((out_f, in_f), s).items():
         t = flat.get(name)
         if t is None or tuple(t.shape) != e.shape or t.dtype != e.dtype or t.device != weight.device:
             return False

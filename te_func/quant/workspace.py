@@ -150,7 +150,7 @@ def cast_to_flat(cast: WeightCast, s: Scheme) -> dict[str, torch.Tensor]:
     flat = {"data": cast.rowwise.data, "scale_inv": cast.rowwise.scale_inv, "data_t": cast.columnwise.data}
     if not _shared_scale(s):
         flat["scale_inv_t"] = cast.columnwise.scale_inv
-    if s.nvfp4:
+    if cast.rowwise.global_amax is not None:     # NVFP4
         flat["global_amax"] = cast.rowwise.global_amax
     return flat
 
@@ -164,9 +164,13 @@ def cast_from_flat(flat: dict, s: Scheme) -> WeightCast:
 
 class CarriedCast(torch.Tensor):
     """A weight that arrives already cast, such as an FP8 all-gather's output (te_func.distributed):
-    a tensor subclass with a method `te_func_weight_cast(s, state) -> (WeightCast, new_state)`,
-    which `make_cast` takes instead of casting. A base class rather than a duck-typed method,
-    because torch.compile traces isinstance checks of tensor subclasses."""
+    a tensor subclass whose `te_func_weight_cast` `make_cast` takes instead of casting. A base
+    class rather than a duck-typed method, because torch.compile traces isinstance checks of
+    tensor subclasses."""
+
+    def te_func_weight_cast(self, s: Scheme, state: DelayedState | None) -> tuple[WeightCast, DelayedState | None]:
+        """(the weight's cast in both layouts, `state` with the weight's amax recorded)."""
+        raise NotImplementedError
 
 
 def make_cast(weight: torch.Tensor, s: Scheme, state: DelayedState | None = None):

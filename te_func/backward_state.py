@@ -1,0 +1,154 @@
+"""What a backward produces besides gradients, and how it comes back into the workspaces.
+
+Under DelayedScaling each GEMM's backward computes the amax of its output
+gradient, which belongs in the current slot of that GEMM's grad history
+(`{prefix}grad_amax_history`). The op returns it as the "gradient" of the history
+entry its forward read: zeros but for slot 0 (te_func.ops.gemm_layer.backward_amax;
+in batch scope, the batch amax). Whatever runs the backward, that value reaches the
+workspaces by one rule, an elementwise max into the history as it is when the
+backward ends (never a sum: two microbatches' amaxes must give their max, as TE's do):
+
+    tef.grad / value_and_grad   frame.py differentiates the workspace entries that can
+                                carry such state; `merge` puts the "gradients" into new_ws
+                                (after `reduce_amaxes` under amax reduction)
+    tef.Stateful, eager         each call's history is a fresh leaf; a hook on the op's node
+                                (`deliver`) puts the amax into the shell's inbox for that
+                                history, and the inbox is merged when the backward ends
+                                (`merge_when_backward_ends`), on a read and before a call
+    tef.Stateful, compiled      the call reads each history through `DeliverToInboxes`, whose
+                                backward puts the amax into the inbox; merged as above
+    torch.func.vmap             per-sample copies of a history each hold one sample's amax;
+                                te_func.vmapped folds them by max (Entry.records_amax)
+    tef.checkpoint              the recompute's backward reads the histories as the forward
+                                was given them (te_func.checkpoint), so its amax lands likewise
+
+NVFP4's random streams need none of this: a training call's forward leaves the next
+state (te_func.functional._gemm).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import _compat, distributed
+
+__all__ = ["merge", "reduce_amaxes", "merge_inboxes", "DeliverToInboxes", "deliver", "merge_when_backward_ends",
+           "remove_hooks"]
+
+
+# --- tef.grad ------------------------------------------------------------------------------
+
+def reduce_amaxes(state_grads: dict, groups: dict) -> dict:
+    """The backward amaxes (slot 0 of each grad history's "gradient") all-reduced over the group
+    each entry's call chose, one all-reduce per group, as TE reduces them after a backward."""
+    by_group: dict = {}
+    for k, g in state_grads.items():
+        if groups.get(k) is not None:
+            by_group.setdefault(groups[k], {})[k] = g
+    for group, entries in by_group.items():
+        state_grads = {**state_grads, **distributed.reduce_amax_slots(entries, group)}
+    return state_grads
+
+
+def merge(new_ws: dict, state_grads: dict) -> dict:
+    """new_ws with each grad record combined with its "gradient" by elementwise max.
+
+    For a history that gradient is zero but for slot 0, the backward amax
+    (te_func.ops.gemm_layer.backward_amax), so the max records it in the current step's slot,
+    also across microbatches; a sum would add amaxes. A batch amax's is the amax itself.
+    """
+    return {**new_ws, **{k: torch.maximum(new_ws[k], g) for k, g in state_grads.items()}}
+
+
+# --- tef.Stateful: inboxes ----------------------------------------------------------------------
+# Backwards leave their amaxes in the history's inbox (a private buffer of the shell, shaped
+# like the history), by max; the shell merges each inbox into its history, by max, and empties
+# it: when a backward that it hears of ends, when the workspaces are read, and at the start of
+# every call, before the frame updates and rolls the histories: an amax always lands in the slot
+# that was current when its backward ran. The shell, held weakly here, keeps the inboxes
+# (`_inboxes`), the backward whose end merges them (`_merge_queued_for`) and the merge (`_merged`).
+
+@torch.library.custom_op("te_func::merge_inboxes", mutates_args=())
+def merge_inboxes(histories: list[torch.Tensor], inboxes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """max(history, inbox) of each pair ((L,) fp32 each), leaving the inboxes zero.
+
+    Declared as not mutating the inboxes, on purpose: torch.compile would otherwise hand a
+    compiled backward each inbox as the compiled forward left it (zeros), and that backward's
+    max would overwrite what other backwards put in the inbox since (and fail autograd's
+    version check). Opaque to the compiler, the emptying leaves the inboxes untouched as far
+    as AOTAutograd knows, so a compiled backward reads and writes the live buffers."""
+    merged = [torch.maximum(h, inbox) for h, inbox in zip(histories, inboxes)]
+    for inbox in inboxes:
+        inbox.zero_()
+    return merged
+
+
+@merge_inboxes.register_fake
+def _(histories, inboxes):
+    return [torch.empty_like(h) for h in histories]
+
+
+class DeliverToInboxes(torch.autograd.Function):
+    """`DeliverToInboxes.apply(*histories, *inboxes)` is `histories` ((L,) fp32 each), for the
+    ops that read them. Backward merges each history's gradient (the backward amax, zero but
+    for slot 0: te_func.ops.gemm_layer.backward_amax) into its inbox by max, in place, and
+    passes no gradient on. Inside a compiled graph this runs whatever the backward was asked
+    for: the graph is one autograd node, which autograd.grad(loss, params) runs as
+    loss.backward() does. One Function for all histories: dynamo traces each Function apply
+    at length."""
+
+    @staticmethod
+    def forward(*histories_and_inboxes):
+        histories = histories_and_inboxes[:len(histories_and_inboxes) // 2]
+        return tuple(h.view_as(h) for h in histories)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        # Kept on ctx, not saved for backward: saved tensors are version-checked, and other
+        # backwards and merges write the inboxes between this forward and its backward.
+        ctx.inboxes = inputs[len(inputs) // 2:]
+
+    @staticmethod
+    def backward(ctx, *amaxes):
+        for inbox, amax in zip(ctx.inboxes, amaxes):
+            inbox.copy_(torch.maximum(inbox, amax))
+        return (None,) * (2 * len(amaxes))
+
+
+def deliver(shell_ref, key: str, amax: torch.Tensor):
+    """An eager call's backward amax ((L,), zero but for slot 0) for history `key`, from the op's
+    node: into the inbox by max. The shell is held weakly: a dropped shell is freed, however
+    many graphs saw it."""
+    shell = shell_ref()
+    if shell is None or key not in shell._inboxes:
+        return
+    inbox = shell._inboxes[key]
+    inbox.copy_(torch.maximum(inbox, amax.detach().to(inbox.device)))
+    merge_when_backward_ends(shell_ref)
+
+
+def merge_when_backward_ends(shell_ref, grad=None):
+    # Also a tensor hook on each GEMM weight (grad: its gradient, left as it is): a backward that
+    # computes a weight's gradient went through its layer, whose amax may wait in an inbox.
+    shell = shell_ref()
+    if shell is None:
+        return
+    task = _compat.backward_task_id()
+    if shell._merge_queued_for != task:      # once per backward
+        shell._merge_queued_for = task
+        _compat.queue_backward_callback(functools.partial(_merge_now, shell_ref))
+
+
+def _merge_now(shell_ref):
+    shell = shell_ref()
+    if shell is None:
+        return
+    shell._merge_queued_for = None
+    shell._workspaces = shell._merged(shell._workspaces)
+
+
+def remove_hooks(handles: list):
+    for handle in handles:
+        handle.remove()
+    handles.clear()
