@@ -9,6 +9,7 @@ The package's layers, each importing only those below it:
     freeze.py    freeze: an inference copy holding FP8 weight casts only (nn/frozen.py's layers)
     shell.py     Stateful: the only place anything is mutated
     vmapped.py   per-sample gradients and ensembles: vmap with workspaces folded, stacked, unstacked
+    integrations.py  what libraries that take a torch model need to know of te_func's layers (peft)
     convert.py   convert: a torch model's layers swapped for te_func's, every tensor kept
     frame.py     functional_call, init_workspaces, autocast, grad: workspace entries by module path
     backward_state.py  what a backward produces besides gradients, and how it comes back
@@ -29,7 +30,7 @@ the same outputs; compiled results equal eager ones; a workspace made for
 another recipe, or with entries another model's layers would have, is refused
 with an error naming the entry.
 """
-from . import _compat, distributed, errors, functional, nn, quant, recipe
+from . import _compat, distributed, errors, functional, integrations, nn, quant, recipe
 from .errors import Error
 from .convert import convert, fp8_pays
 from .frame import (autocast, functional_call, grad, init_workspaces, upgrade_workspaces, validate_workspaces,
@@ -44,8 +45,8 @@ from .checkpoint import checkpoint
 
 _compat.guard_cpu_loop_split_at_compile()
 
-__all__ = ["Error", "errors", "distributed", "functional", "nn", "quant", "recipe", "convert", "fp8_pays", "autocast",
-           "functional_call", "grad", "higher_order", "init_workspaces", "value_and_grad", "workspace_spec",
-           "validate_workspaces", "upgrade_workspaces", "Stateful", "set_check_finite", "per_sample_grad",
-           "per_sample_value_and_grad", "fold_workspaces", "stack_workspaces", "unstack_workspaces",
+__all__ = ["Error", "errors", "integrations", "distributed", "functional", "nn", "quant", "recipe", "convert",
+           "fp8_pays", "autocast", "functional_call", "grad", "higher_order", "init_workspaces", "value_and_grad",
+           "workspace_spec", "validate_workspaces", "upgrade_workspaces", "Stateful", "set_check_finite",
+           "per_sample_grad", "per_sample_value_and_grad", "fold_workspaces", "stack_workspaces", "unstack_workspaces",
            "stack_module_state", "unstack_module_state", "freeze", "frozen_layers", "checkpoint"]

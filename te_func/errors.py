@@ -14,13 +14,16 @@ all of them. Each message says what happened and what to do instead.
         DerivativeError            a derivative te_func's ops do not give      (NotImplementedError)
       FrozenModelError             a frozen model (tef.freeze) used to train   (RuntimeError, ValueError)
 
+And one warning, `HighPrecisionWarning` (a UserWarning): te_func layers ran outside any
+frame, so in high precision, once per process.
+
 Attributes, where the error has them: `entry` (a workspace key), `layer` (the module's
 path, "" for the root), `expected` and `got`, `recipe`.
 """
 from __future__ import annotations
 
 __all__ = ["Error", "WorkspaceError", "MissingEntryError", "UnknownEntryError", "EntryMismatchError",
-           "RecipeMismatchError", "TransformError", "DerivativeError", "FrozenModelError"]
+           "RecipeMismatchError", "TransformError", "DerivativeError", "FrozenModelError", "HighPrecisionWarning"]
 
 
 class Error(Exception):
@@ -69,3 +72,8 @@ class DerivativeError(TransformError, NotImplementedError):
 class FrozenModelError(Error, RuntimeError, ValueError):
     """A frozen (inference-only) model used where a trainable one is needed: trained (a
     RuntimeError, as before), or handed to tef.Stateful (a ValueError, as before)."""
+
+
+class HighPrecisionWarning(UserWarning):
+    """te_func layers ran outside tef.functional_call, tef.Stateful and tef.autocast: no recipe
+    ran, so they computed in high precision (a converted model handed to a trainer as it is)."""

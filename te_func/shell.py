@@ -7,13 +7,15 @@ PyTorch module (`shell(x)`, `loss.backward()`, `optimizer.step()`).
 from __future__ import annotations
 
 import functools
+import inspect
+import os
 import weakref
 
 import torch
 from torch import nn
 
 from . import _compat, backward_state, distributed
-from .errors import FrozenModelError, TransformError
+from .errors import FrozenModelError, MissingEntryError, TransformError, UnknownEntryError
 from .frame import (backward_keys, backward_weights, functional_call, init_workspaces, keeps_weight_casts,
                     mark_static, upgrade_workspaces, workspace_spec)
 from .nn import TEModule
@@ -24,6 +26,22 @@ from .quant.workspace import RECIPE_KEY
 __all__ = ["Stateful"]
 
 _WS = "workspaces."
+
+
+WORKSPACES_FILE = "te_func_workspaces.safetensors"
+
+
+def _call_saying_what_changed(model, *args, **kwargs):
+    """functional_call for an eager shell call: workspaces that no longer fit the model mean that
+    its te_func layers changed since the shell made them, and the error says so."""
+    try:
+        return functional_call(model, *args, **kwargs)
+    except (MissingEntryError, UnknownEntryError) as e:
+        raise type(e)(f"tef.Stateful: the shell's workspaces no longer fit its model, whose te_func layers changed "
+                      f"since they were made (a layer replaced, added or removed: peft's merge_and_unload, an "
+                      f"adapter added, a module swapped): make fresh ones from the current weights with "
+                      f"shell.reset_workspaces(), or wrap the model in a new tef.Stateful. The first misfit: {e}",
+                      **vars(e)) from None
 
 
 _WEIGHTS_ONLY = ("the checkpoint has no workspace entries (workspaces.*): it holds weights only. Load it with "
@@ -85,6 +103,7 @@ class Stateful(nn.Module):
         self._pending_load = None
         self._set_workspaces(init_workspaces(model, recipe, weight_cache=weight_cache))
         self.register_load_state_dict_post_hook(_after_load)
+        self._show_model_signature()
 
     # --- workspaces, sinks and inboxes --------------------------------------------------------
 
@@ -220,9 +239,9 @@ class Stateful(nn.Module):
                 # (autograd.grad(loss, params), backward(inputs=...)).
                 ws = {**ws, **{k: ws[k].detach().requires_grad_() for k in self._backward_keys}}
                 watch = self._watcher()
-        out, new_ws = functional_call(self.model, params, ws, args, kwargs, recipe=self.recipe,
-                                      is_first_microbatch=is_first_microbatch, amax_group=self.amax_group,
-                                      _watch=watch)
+        run = functional_call if compiling else _call_saying_what_changed
+        out, new_ws = run(self.model, params, ws, args, kwargs, recipe=self.recipe,
+                          is_first_microbatch=is_first_microbatch, amax_group=self.amax_group, _watch=watch)
         new_ws = {**new_ws, **{k: new_ws[k].detach() for k in self._backward_keys}}
         # dynamo cannot trace the inference_mode check: compiled calls skip it
         inference = not compiling and torch.is_inference_mode_enabled()
@@ -300,11 +319,12 @@ class Stateful(nn.Module):
 
     def __getstate__(self):
         # copy.deepcopy and pickle: the copy holds the workspaces as a read gives them, and
-        # __setstate__ makes its own sinks, inboxes and weight hooks (hooks cannot be copied).
+        # __setstate__ makes its own sinks, inboxes, weight hooks and signed forward (hooks and
+        # the forward, which calls this shell, cannot be copied).
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
         state["_workspaces"] = self.workspaces
-        for name in ("_sinks", "_inboxes", "_weight_hooks"):
+        for name in ("_sinks", "_inboxes", "_weight_hooks", "forward"):
             state.pop(name, None)
         return state
 
@@ -314,6 +334,60 @@ class Stateful(nn.Module):
         state.setdefault("weight_cache", True)      # pickled before the option existed: the cache
         super().__setstate__(state)
         self._make_sinks_and_inboxes()
+        self._show_model_signature()
+
+    # --- what libraries read of the model it wraps --------------------------------------------
+
+    def _show_model_signature(self):
+        """`shell.forward` with the wrapped model's signature (and is_first_microbatch): HF
+        Trainer keeps only the batch keys a model's forward names (remove_unused_columns), which
+        Stateful.forward(*args, **kwargs) would hide. An attribute of this shell, calling it."""
+        try:
+            params = list(inspect.signature(self.model.forward).parameters.values())
+        except (TypeError, ValueError):         # a forward without a signature: the shell's own
+            return
+        if not any(p.name == "is_first_microbatch" for p in params):
+            flag = inspect.Parameter("is_first_microbatch", inspect.Parameter.KEYWORD_ONLY, default=None)
+            at = next((i for i, p in enumerate(params) if p.kind == inspect.Parameter.VAR_KEYWORD), len(params))
+            params.insert(at, flag)
+        shell = self
+
+        def forward(*args, **kwargs):
+            return Stateful.forward(shell, *args, **kwargs)
+        forward.__signature__ = inspect.Signature(params)      # type: ignore[attr-defined]
+        forward.__doc__ = self.model.forward.__doc__
+        self.__dict__["forward"] = forward
+
+    def __getattr__(self, name: str):
+        # The wrapped model's public attributes, for libraries that read them from the module they
+        # are given (HF Trainer: config, main_input_name, can_generate, gradient_checkpointing_enable).
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if name.startswith("_") or model is None:
+                raise
+            return getattr(model, name)
+
+    def save_pretrained(self, save_directory, **kwargs):
+        """The wrapped model's own folder (`model.save_pretrained(save_directory, **kwargs)`: its
+        config and weights under its parameters' names, which `from_pretrained` loads) and the
+        workspaces beside it (WORKSPACES_FILE, safetensors). `load_workspaces(save_directory)`
+        takes them back into a shell of the reloaded, converted model."""
+        import safetensors.torch
+        if not hasattr(self.model, "save_pretrained"):
+            raise TypeError(f"Stateful.save_pretrained: {type(self.model).__name__} has no save_pretrained (not a "
+                            f"HuggingFace model); save the shell's state_dict instead")
+        self.model.save_pretrained(save_directory, **kwargs)
+        ws = {k: v.detach().contiguous() for k, v in self.workspaces.items()}
+        safetensors.torch.save_file(ws, os.path.join(save_directory, WORKSPACES_FILE), metadata={"format": "pt"})
+
+    def load_workspaces(self, directory):
+        """Take the workspaces `save_pretrained` wrote into `directory` (checked against this shell's
+        model and recipe, as `shell.workspaces = ws` is)."""
+        import safetensors.torch
+        device = next(self.model.parameters(), torch.empty(0)).device
+        self.workspaces = safetensors.torch.load_file(os.path.join(directory, WORKSPACES_FILE), device=str(device))
 
     def extra_repr(self) -> str:
         return (f"recipe={self.recipe!r}" + ("" if self.amax_group is None else f", amax_group={self.amax_group!r}")

@@ -9,7 +9,9 @@ modules never keep what they read, so a model stays a plain parameter holder.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _compat
-from ..errors import TransformError
+from ..errors import HighPrecisionWarning, TransformError
 from ..quant import lower
 
 __all__ = ["Frame", "CallScope", "Binding", "push", "bind", "microbatch", "push_call_scope", "open_call_scopes",
@@ -163,14 +165,14 @@ def microbatch(frame: Frame, owner: tuple, is_first_microbatch: bool | None = No
 def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
     """What `module` runs with, read from the innermost frame of this thread.
 
-    Without a frame a module computes in high precision, except while autograd runs a
-    backward: that is an activation checkpoint recomputing its forward, and the module then
-    replays its last call (`_replay`).
+    Without a frame a module computes in high precision (and says so once: `_outside_frames`),
+    except while autograd runs a backward: that is an activation checkpoint recomputing its
+    forward, and the module then replays its last call (`_replay`).
     """
     stack = _stack("frames")
     if not stack:
         replay = _replay(module)
-        return _NO_FRAME if replay is None else replay
+        return _outside_frames(layer) if replay is None else replay
     frame = stack[-1]
     if frame.workspaces is None:  # tef.autocast: quantize, cache nothing
         lowering = lower(frame.recipe)
@@ -295,3 +297,29 @@ def _discard(new_workspace):
 
 
 _NO_FRAME = Binding(None, None, None, None, _discard)
+_told_outside_frames = False
+
+
+def _outside_frames(layer: str) -> Binding:
+    """A call outside every frame: high precision, as the plain torch layer computes. A model
+    converted with tef.convert and trained as it is (handed to a trainer without tef.Stateful)
+    would otherwise train in high precision without a word: the first such call warns."""
+    global _told_outside_frames
+    if torch.compiler.is_compiling() or _told_outside_frames:
+        return _NO_FRAME
+    _told_outside_frames = True
+    warnings.warn(f"{layer} ran outside tef.functional_call, tef.Stateful and tef.autocast, so no recipe ran: te_func "
+                  f"layers called on their own compute in high precision, as the torch layers they replace. To "
+                  f"train in FP8 wrap the model, shell = tef.Stateful(model, recipe), and train the shell. "
+                  f"(Shown once per process; te_func.errors.HighPrecisionWarning.)", HighPrecisionWarning,
+                  stacklevel=_caller_outside_torch())
+    return _NO_FRAME
+
+
+def _caller_outside_torch() -> int:
+    # The warning's stacklevel: the first frame up the stack that is neither te_func's nor torch's
+    # (the code that called the model).
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("te_func", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level

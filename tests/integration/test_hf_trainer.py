@@ -1,0 +1,98 @@
+"""HuggingFace Trainer on a tef.Stateful, with the Trainer's defaults (remove_unused_columns
+included): the shell shows its model's signature and attributes, trains in FP8, saves a folder
+from_pretrained loads, and a converted model handed over without a shell says it runs in high
+precision."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+import te_func as tef
+from cases import bits, tiny_llama
+from te_func.nn import context
+from te_func.recipe import DelayedScaling, Float8CurrentScaling
+
+RECIPES = [pytest.param(Float8CurrentScaling(), id="current"),
+           pytest.param(DelayedScaling(amax_history_len=4), id="delayed")]
+
+
+def shell_of(recipe):
+    torch.manual_seed(0)
+    return tef.Stateful(tef.convert(tiny_llama()), recipe)
+
+
+def dataset(n=8, tokens=16):
+    # An extra column, as a tokenized dataset has: the Trainer drops what forward does not name.
+    return [{"input_ids": torch.randint(0, 128, (tokens,)), "labels": torch.randint(0, 128, (tokens,)),
+             "source": torch.tensor(i)} for i in range(n)]
+
+
+def trainer(model, tmp_path, steps=2):
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=steps,
+                             report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, seed=0)
+    return Trainer(model=model, args=args, train_dataset=dataset())
+
+
+def test_the_shell_shows_its_models_signature_and_attributes():
+    shell = shell_of(Float8CurrentScaling())
+    params = inspect.signature(shell.forward).parameters
+    assert {"input_ids", "attention_mask", "labels", "is_first_microbatch"} <= set(params)
+    assert shell.config is shell.model.config
+    assert shell.main_input_name == "input_ids" and shell.can_generate()
+    with pytest.raises(AttributeError):
+        shell.no_such_attribute
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_trainer_with_its_defaults_trains_a_shell_in_fp8(recipe, tmp_path):
+    shell = shell_of(recipe)
+    before = {k: v.clone() for k, v in shell.workspaces.items()}
+    t = trainer(shell, tmp_path)
+    assert t.args.remove_unused_columns
+    t.train()
+    losses = [h["loss"] for h in t.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    # The recipe ran: the weight casts are new, and under DelayedScaling the histories recorded amaxes.
+    key = "model.layers.0.self_attn.q_proj.weight_cast.data"
+    assert not torch.equal(bits(shell.workspaces[key]), bits(before[key]))
+    if isinstance(recipe, DelayedScaling):
+        assert shell.workspaces["model.layers.0.self_attn.q_proj.grad_amax_history"].abs().sum() > 0
+
+
+def test_save_pretrained_writes_a_folder_from_pretrained_loads_and_the_run_resumes(tmp_path):
+    recipe = DelayedScaling(amax_history_len=4)
+    shell = shell_of(recipe)
+    ids = torch.randint(0, 128, (2, 16))
+    opt = torch.optim.SGD(shell.parameters(), lr=1e-2)
+    for _ in range(2):
+        shell(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    shell.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)      # the model's own names: a plain HF folder
+    resumed = tef.Stateful(tef.convert(model), recipe)
+    resumed.load_workspaces(tmp_path)
+    for k, v in shell.workspaces.items():
+        assert torch.equal(bits(resumed.workspaces[k]), bits(v)), k
+    a, b = shell(input_ids=ids, labels=ids).loss, resumed(input_ids=ids, labels=ids).loss
+    assert torch.equal(a, b)
+    a.backward()
+    b.backward()
+    for k, v in shell.workspaces.items():
+        assert torch.equal(bits(resumed.workspaces[k]), bits(v)), k
+
+
+def test_a_converted_model_without_a_shell_says_once_that_it_runs_in_high_precision(tmp_path, monkeypatch):
+    monkeypatch.setattr(context, "_told_outside_frames", False)
+    torch.manual_seed(0)
+    model = tef.convert(tiny_llama())
+    with pytest.warns(tef.errors.HighPrecisionWarning, match=r"high precision.*tef\.Stateful\(model, recipe\)"):
+        trainer(model, tmp_path, steps=1).train()
+    with pytest.warns() as later:
+        import warnings
+        warnings.warn("marker")
+        model(input_ids=torch.randint(0, 128, (1, 4)))
+    assert not any(issubclass(w.category, tef.errors.HighPrecisionWarning) for w in later)
