@@ -1,8 +1,8 @@
 """The private torch internals te_func reads: torch.func's transform levels and wrappers, the
 autograd engine's running backward, and the one torch bug it works around (inductor's C++ loop
-split). torch.ops / torch.library registrations, torch._scaled_mm and dynamo's public-by-use
-hooks (allow_in_graph, mark_static_address) stay where they are used; the view(dtype) vmap
-rule lives in quant/_vmap_bitcast.py.
+split), and the vmap rule for Tensor.view(dtype) torch 2.11 lacks. torch.ops / torch.library
+registrations of te_func's own ops, torch._scaled_mm and dynamo's public-by-use hooks
+(allow_in_graph, mark_static_address) stay where they are used.
 
 Checked on torch 2.11 (the GPU machine) and 2.13 (CPU). A torch upgrade that moves them breaks
 here first: tests/transforms/test_higher_order.py, test_vmapped.py and test_stateful.py run every path
@@ -19,7 +19,8 @@ from torch._functorch import pyfunctorch
 
 __all__ = ["transform_levels", "current_level", "tensor_level", "is_wrapped", "is_batched", "is_grad_tracking",
            "unwrap", "base_tensor", "requires_grad", "forward_ad_active", "functorch_disabled", "backward_task_id",
-           "queue_backward_callback", "guard_cpu_loop_split", "guard_cpu_loop_split_at_compile"]
+           "queue_backward_callback", "guard_cpu_loop_split", "guard_cpu_loop_split_at_compile",
+           "ensure_view_dtype_batching"]
 
 
 def transform_levels() -> list[str]:
@@ -145,3 +146,51 @@ def _mismatched_ranges(e: AssertionError) -> bool:
     # try_loop_split's assertion carries the two loops' ranges: a pair of dicts
     (arg,) = e.args if len(e.args) == 1 else (None,)
     return isinstance(arg, tuple) and len(arg) == 2 and all(isinstance(r, dict) for r in arg)
+
+# --- a vmap rule for Tensor.view(dtype) on torches that have none (2.11) ------------------------
+# The scaling math reads fp32 bits (quant/scheme.py: round_down_pow2, e8m0_scale_inv, e8m0_to_float)
+# with x.view(torch.int32) and back. torch 2.13 batches that view; torch 2.11 raises "Batching rule
+# not implemented for aten::view.dtype" under torch.func.vmap, which failed per-sample gradients and
+# vmapped ensembles there for MXFP8 and Float8BlockScaling (power-of-2 scales). Where the rule is
+# missing, te_func registers one for views between dtypes of one element size (the only ones it
+# makes): the same view of the unbatched tensor, the batch dim where it was. Where torch has its
+# own rule, nothing is registered.
+
+view_dtype_rule_registered = False      # whether this process runs te_func's rule
+_view_dtype_library = None              # kept alive: the registration lasts as long as this object
+
+
+def _has_view_dtype_rule() -> bool:
+    try:
+        torch.vmap(lambda t: t.view(torch.int32))(torch.zeros(2, 1))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _view_dtype(info, in_dims, x, dtype):
+    if x.element_size() != torch.empty((), dtype=dtype).element_size():
+        raise RuntimeError(f"te_func's vmap rule for Tensor.view(dtype) takes dtypes of one element size, "
+                           f"not {x.dtype} -> {dtype}")
+    return x.view(dtype), in_dims[0]
+
+
+def ensure_view_dtype_batching(force: bool = False) -> bool:
+    """Register the rule where this torch lacks one (or always with `force`, for tests in a
+    process of their own: torch's own rule is then replaced). Returns whether te_func's rule is on."""
+    global view_dtype_rule_registered, _view_dtype_library
+    if view_dtype_rule_registered or (not force and _has_view_dtype_rule()):
+        return view_dtype_rule_registered
+    try:    # functorch's helper behind torch.library.register_vmap
+        from torch._functorch.autograd_function import custom_function_call_vmap_helper
+        from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+    except ImportError:     # a torch without it: its own behaviour, the error above included
+        return False
+    op = torch.ops.aten.view.dtype
+
+    def batched(keyset, x, dtype):
+        return custom_function_call_vmap_helper(retrieve_current_functorch_interpreter(), _view_dtype, op, x, dtype)
+    _view_dtype_library = torch.library.Library("aten", "IMPL")
+    _view_dtype_library.impl("view.dtype", batched, "FuncTorchBatched", with_keyset=True)
+    view_dtype_rule_registered = True
+    return view_dtype_rule_registered

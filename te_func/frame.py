@@ -144,11 +144,11 @@ def _layout_problem(ws: dict) -> EntryMismatchError | None:
         return None
     if t.dim() == 2 and tuple(t.shape[1:]) == RECIPE_ENTRY.shape:
         return EntryMismatchError(
-                f"these workspaces are stacked ({t.shape[0]} sets along dim 0, as tef.stack_module_state "
-                f"makes for an ensemble): call tef.functional_call on them under torch.func.vmap with in_dims "
-                f"0 over the workspaces, take the sets apart with tef.unstack_workspaces, or, for per-sample "
-                f"workspaces, fold them with tef.fold_workspaces", entry=RECIPE_KEY, expected=RECIPE_ENTRY.shape,
-                got=tuple(t.shape))
+            f"these workspaces are stacked ({t.shape[0]} sets along dim 0, as tef.stack_module_state "
+            f"makes for an ensemble): call tef.functional_call on them under torch.func.vmap with in_dims "
+            f"0 over the workspaces, take the sets apart with tef.unstack_workspaces, or, for per-sample "
+            f"workspaces, fold them with tef.fold_workspaces", entry=RECIPE_KEY, expected=RECIPE_ENTRY.shape,
+            got=tuple(t.shape))
     return None
 
 

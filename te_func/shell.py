@@ -88,9 +88,9 @@ class Stateful(nn.Module):
     def __init__(self, model: nn.Module, recipe, *, amax_group=None, weight_cache: bool = True):
         super().__init__()
         if any(isinstance(m, FrozenLayer) for m in model.modules()):
-            raise FrozenModelError(f"tef.Stateful: {type(model).__name__} is frozen (tef.freeze): it holds FP8 weight "
-                             f"casts for inference and nothing to train or keep state for; call it directly "
-                             f"(frozen(x)), or wrap the trained model it was frozen from")
+            raise FrozenModelError(f"tef.Stateful: {type(model).__name__} is frozen (tef.freeze): it holds FP8 "
+                                   f"weight casts for inference and nothing to train or keep state for; call it "
+                                   f"directly (frozen(x)), or wrap the trained model it was frozen from")
         if recipe is not None and not any(isinstance(m, TEModule) for m in model.modules()):
             raise ValueError(f"tef.Stateful: {type(model).__name__} has no te_func layers, so recipe="
                              f"{type(recipe).__name__} would change nothing; convert it first: "
@@ -210,8 +210,8 @@ class Stateful(nn.Module):
             first = next(iter(params.values()), None)
             if first is not None and first.is_inference():
                 raise TransformError("tef.Stateful: the model's parameters were made under torch.inference_mode() "
-                                   "(inference tensors), which autograd cannot train: build the model outside "
-                                   "inference_mode to train it, or call the shell under inference_mode only")
+                                     "(inference tensors), which autograd cannot train: build the model outside "
+                                     "inference_mode to train it, or call the shell under inference_mode only")
         ws, watch = self._workspaces, None
         compiling = torch.compiler.is_compiling()
         if self._backward_keys and torch.is_grad_enabled() and not compiling and _compat.current_level() is not None:
@@ -230,7 +230,7 @@ class Stateful(nn.Module):
                 # The op's amax leaves the graph through the inbox, whatever the backward's inputs.
                 keys = self._backward_keys
                 read = backward_state.DeliverToInboxes.apply(*(ws[k] + self._sinks[k] for k in keys),
-                                               *(self._inboxes[k] for k in keys))
+                                                             *(self._inboxes[k] for k in keys))
                 ws = {**ws, **dict(zip(keys, read))}
                 self._compiled = True
             else:

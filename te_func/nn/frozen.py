@@ -173,10 +173,10 @@ class FrozenLayer(nn.Module):
         features = getattr(self, self.features_attr)
         check_input(self.layer, inp, features, self._params(), recipe=self._recipe_name)
         if torch.is_grad_enabled() and inp.requires_grad:
-            raise FrozenModelError(f"{self.layer}: a frozen model (tef.freeze) is for inference only: it keeps no "
-                               f"high-precision weights and computes no gradients, and its input requires grad. "
-                               f"Call it under torch.no_grad() or torch.inference_mode() on inputs that do not "
-                               f"require grad; to train, train the model itself and freeze it afterwards")
+            raise FrozenModelError(f"{self.layer}: a frozen model (tef.freeze) is for inference only: it keeps "
+                                   f"no high-precision weights and computes no gradients, and its input requires "
+                                   f"grad. Call it under torch.no_grad() or torch.inference_mode() on inputs that "
+                                   f"do not require grad; to train, train the model itself and freeze it afterwards")
         device = self.get_submodule(f"{self._gemm_names[0][0]}_cast").data.device
         if inp.device != device:
             raise ValueError(f"{self.layer}: input is on {inp.device} but the frozen weights are on {device}; "

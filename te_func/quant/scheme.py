@@ -11,7 +11,7 @@ import torch
 
 from ..recipe import (ROLES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                       MXFP8BlockScaling, NVFP4BlockScaling)
-from ._vmap_bitcast import ensure_view_dtype_batching
+from .._compat import ensure_view_dtype_batching
 
 ensure_view_dtype_batching()    # the bit views below under vmap on torch 2.11
 

@@ -788,10 +788,11 @@ _FORCED_RULE = r"""
 import sys
 import pytest
 import torch
-from te_func.quant import _vmap_bitcast, e8m0_scale_inv, e8m0_to_float, round_down_pow2
-calls, inner = [], _vmap_bitcast._view_dtype
-_vmap_bitcast._view_dtype = lambda *a: calls.append(1) or inner(*a)
-assert _vmap_bitcast.ensure_view_dtype_batching(force=True)
+from te_func import _compat
+from te_func.quant import e8m0_scale_inv, e8m0_to_float, round_down_pow2
+calls, inner = [], _compat._view_dtype
+_compat._view_dtype = lambda *a: calls.append(1) or inner(*a)
+assert _compat.ensure_view_dtype_batching(force=True)
 x = torch.randn(3, 4, 5).abs() * 100
 for dim in (0, 1, 2):
     for f in (round_down_pow2, lambda t: e8m0_to_float(e8m0_scale_inv(t, 448.0))):
@@ -808,7 +809,7 @@ sys.exit(rc)
 def test_vmap_takes_the_bit_views_by_te_funcs_rule_where_torch_has_none():
     """torch 2.11 (the GPU machine's) has no vmap rule for Tensor.view(dtype), which MXFP8's E8M0
     scales and Float8BlockScaling's power-of-2 scales read the fp32 bits with; te_func registers
-    one there (te_func.quant._vmap_bitcast). This torch has its own, so a process of its own forces
+    one there (te_func._compat.ensure_view_dtype_batching). This torch has its own, so a process of its own forces
     te_func's in its place: the bit functions batched in every dim equal a loop, and per-sample
     gradients, a batch scope and an ensemble under both recipes pass (compiled, through the same
     rule: run on torch 2.11 itself, as the README says)."""
