@@ -3,13 +3,25 @@
 peft attaches LoRA to the layer types it knows; te_func's Linear is not a `torch.nn.Linear`,
 so a LoraConfig learns it from `lora_config`. The adapters peft adds are plain torch layers
 (high precision); the base GEMM they sit beside stays te_func's (FP8 under the shell's recipe).
+
+opacus computes per-sample gradients with a function per layer type; `register_opacus` gives
+it te_func's: each sample's gradient from te_func's own FP8 path, the sample quantized on its
+own (no scale taken over the batch, which would make one sample's gradient depend on the others).
+
 docs/integrations.md shows each library's calls.
 """
 from __future__ import annotations
 
-from .nn import Linear, TransposedLinear
+import torch
+from torch import nn
 
-__all__ = ["lora_config"]
+from .errors import TransformError
+from .frame import functional_call, init_workspaces
+from .nn import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, TransposedLinear
+from .nn.context import last_recipe
+from .quant import lower
+
+__all__ = ["lora_config", "register_opacus"]
 
 
 def lora_config(config):
@@ -29,3 +41,64 @@ def lora_config(config):
     # The subclass first: a TransposedLinear is a Linear, and peft takes the first type that matches.
     config._register_custom_module({TransposedLinear: LoraTransposedLinear, Linear: LoraLinear})
     return config
+
+
+def register_opacus() -> None:
+    """Give opacus (GradSampleModule, PrivacyEngine.make_private) the per-sample gradients of
+    te_func's layers; call it once, before wrapping the model. Each sample's gradient is the one
+    te_func computes for that sample alone (tef.per_sample_grad's scope="sample"): the recipe of
+    the layer's forward, its tensors quantized with the sample's own scales. The batch's forward
+    and input gradients, which give a layer its input and output gradient, must not mix the
+    samples either: recipes whose scales do (Lowering.token_local: tensor-wise current scaling,
+    NVFP4, DelayedScaling) are refused when a per-sample gradient is asked for."""
+    from opacus.grad_sample import register_grad_sampler
+    register_grad_sampler([Linear, TransposedLinear, LayerNormLinear, LayerNormMLP, LayerNorm, RMSNorm])(
+        _per_sample_grads)
+    register_grad_sampler(GroupedLinear)(_refuse_grouped)
+
+
+def _per_sample_grads(layer, activations: list, backprops: torch.Tensor) -> dict:
+    """opacus's grad sampler: {parameter: (batch, *its shape)} from the layer's input and output
+    gradient, (batch, ..., features) each, by vmap over te_func's own gradient of one sample."""
+    recipe = last_recipe(layer)
+    if not lower(recipe).token_local:
+        raise TransformError(
+            f"{type(layer).__name__} ran under {type(recipe).__name__}, whose scales couple the samples of a "
+            f"batch: a tensor-wise scale is one number for the whole batch (current scaling, NVFP4's "
+            f"per-tensor amax), DelayedScaling's comes from earlier batches' amaxes. A sample's clipped gradient "
+            f"would then depend on the others, which differential privacy's accounting does not allow. Train "
+            f"under opacus with MXFP8BlockScaling or Float8BlockScaling (every scale from one token's values), "
+            f"or take per-sample gradients with tef.per_sample_grad(..., scope='sample'), which runs each sample "
+            f"on its own under any recipe", layer=type(layer).__name__)
+    bare = _WithoutHooks(layer)
+    params = {f"layer.{name}": p for name, p in layer.named_parameters(recurse=False) if p.requires_grad}
+    ws = init_workspaces(bare, recipe)          # the current weights' casts: the forward's weights
+
+    def sample_loss(p, x, g):
+        # d/d(out) of sum(out * g) is g: the layer's backward with the sample's output gradient
+        out, _ = functional_call(bare, p, ws, (x,), recipe=recipe)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{type(layer).__name__}: per-sample gradients under opacus take a layer that "
+                            f"returns one tensor (return_bias and return_layernorm_output off)")
+        return (out.float() * g.float()).sum()
+
+    grads = torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))(params, activations[0], backprops)
+    return {params[name]: g for name, g in grads.items()}
+
+
+class _WithoutHooks(nn.Module):
+    """`layer` called without its module hooks: opacus's own, which capture activations, must not
+    see the per-sample calls its grad sampler makes."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer.forward(x)
+
+
+def _refuse_grouped(layer, activations: list, backprops: torch.Tensor) -> dict:
+    raise TransformError("GroupedLinear: per-sample gradients need each sample's m_splits, which the batch's "
+                         "m_splits do not say; compute them with tef.per_sample_grad over a function that "
+                         "routes each sample", layer="GroupedLinear")

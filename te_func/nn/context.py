@@ -23,8 +23,8 @@ from .. import _compat
 from ..errors import HighPrecisionWarning, TransformError
 from ..quant import lower
 
-__all__ = ["Frame", "CallScope", "Binding", "push", "bind", "microbatch", "push_call_scope", "open_call_scopes",
-           "current_frame", "transform_level"]
+__all__ = ["Frame", "CallScope", "Binding", "push", "bind", "microbatch", "last_recipe", "push_call_scope",
+           "open_call_scopes", "current_frame", "transform_level"]
 
 
 class _Stacks(threading.local):
@@ -252,6 +252,14 @@ def _remember(module, frame: Frame, entries: dict, prefix: str):
         return
     with _last_calls_lock:
         _last_calls[module] = _Replay(frame.recipe, entries, frame.watch, prefix)
+
+
+def last_recipe(module):
+    """The recipe of `module`'s last plain eager call in a frame (None: high precision, or no such
+    call): what a per-sample gradient computed for it after its backward quantizes with."""
+    with _last_calls_lock:
+        last = _last_calls.get(module)
+    return None if last is None else last.recipe
 
 
 def _replay(module) -> Binding | None:

@@ -62,6 +62,21 @@ class Lowering:
         blocks would otherwise have to follow the shards' boundaries."""
         return self.recipe is None or all(scheme_for(self.recipe, role).block is None for role in ROLES_OF_GEMM)
 
+    @property
+    def token_local(self) -> bool:
+        """Whether every activation and gradient is quantized with scales from one token's values
+        (blocks along the features: MXFP8BlockScaling, Float8BlockScaling), so that no sample's
+        forward or input gradient depends on another sample of the batch: what per-sample
+        gradients for differential privacy need. A tensor-wise scale (current scaling, NVFP4's
+        per-tensor amax) is one number for the whole batch; DelayedScaling's comes from earlier
+        batches."""
+        r = self.recipe
+        if r is None:
+            return True
+        roles = ("input",) if r.backward_override is not None else ("input", "grad")
+        return not self.keeps_history and all(scheme_for(r, role).block is not None and not scheme_for(r, role).nvfp4
+                                              for role in roles)
+
     def entries(self, gemm: Gemm, weight_shape) -> dict[str, Entry]:
         """Op-local entry name -> Entry of `gemm`'s workspace, its weight of `weight_shape`."""
         return {}
