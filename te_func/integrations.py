@@ -69,7 +69,7 @@ def _per_sample_grads(layer, activations: list, backprops: torch.Tensor) -> dict
             f"would then depend on the others, which differential privacy's accounting does not allow. Train "
             f"under opacus with MXFP8BlockScaling or Float8BlockScaling (every scale from one token's values), "
             f"or take per-sample gradients with tef.per_sample_grad(..., scope='sample'), which runs each sample "
-            f"on its own under any recipe", layer=type(layer).__name__)
+            f"on its own under any recipe")
     bare = _WithoutHooks(layer)
     params = {f"layer.{name}": p for name, p in layer.named_parameters(recurse=False) if p.requires_grad}
     ws = init_workspaces(bare, recipe)          # the current weights' casts: the forward's weights
@@ -101,4 +101,4 @@ class _WithoutHooks(nn.Module):
 def _refuse_grouped(layer, activations: list, backprops: torch.Tensor) -> dict:
     raise TransformError("GroupedLinear: per-sample gradients need each sample's m_splits, which the batch's "
                          "m_splits do not say; compute them with tef.per_sample_grad over a function that "
-                         "routes each sample", layer="GroupedLinear")
+                         "routes each sample")
