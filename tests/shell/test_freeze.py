@@ -259,14 +259,14 @@ def test_a_checkpoint_of_another_recipe_or_shape_is_refused():
     model = make_model()
     current = tef.freeze(model, Float8CurrentScaling()).state_dict()
     other_recipe = tef.freeze(model, MXFP8BlockScaling())
-    with pytest.raises(ValueError, match="made for another recipe"):
+    with pytest.raises(tef.errors.RecipeMismatchError, match="made for another recipe"):
         other_recipe.load_state_dict(current)
-    with pytest.raises(ValueError, match="made for another recipe"):
+    with pytest.raises(tef.errors.RecipeMismatchError, match="made for another recipe"):
         tef.freeze(model, Float8CurrentScaling(use_power_2_scales=True)).load_state_dict(current)
     narrow = tef.freeze(torch.nn.Sequential(tef.nn.Linear(64, 96)), Float8CurrentScaling())
-    with pytest.raises(ValueError, match=r"'0.bias' has shape \(128,\).*another model"):
+    with pytest.raises(tef.errors.EntryMismatchError, match=r"'0.bias' has shape \(128,\).*another model"):
         narrow.load_state_dict({k: v for k, v in current.items() if k.startswith("0.")})
-    with pytest.raises(KeyError, match="not a frozen te_func checkpoint"):
+    with pytest.raises(tef.errors.MissingEntryError, match="not a frozen te_func checkpoint"):
         other_recipe.load_state_dict({k: v for k, v in current.items() if not k.endswith("te_func_recipe")})
 
 
@@ -511,10 +511,10 @@ def test_freeze_errors():
         tef.freeze(frozen, recipe)
     with pytest.raises(ValueError, match="scales live in the workspaces"):
         tef.freeze(model, DelayedScaling())
-    with pytest.raises(ValueError, match="made for another recipe"):
+    with pytest.raises(tef.errors.RecipeMismatchError, match="made for another recipe"):
         tef.freeze(model, recipe, workspaces=tef.init_workspaces(model, MXFP8BlockScaling()))
     x = torch.randn(2, 64, requires_grad=True)
-    with pytest.raises(RuntimeError, match="for inference only"):
+    with pytest.raises(tef.errors.FrozenModelError, match="for inference only"):
         frozen(x)
     with torch.no_grad():
         frozen(x)                                       # fine without autograd

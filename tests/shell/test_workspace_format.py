@@ -128,7 +128,7 @@ def test_some_casts_missing_is_an_error_naming_the_option():
     model, recipe = tef.nn.LayerNormMLP(32, 64), Float8CurrentScaling()
     ws = tef.init_workspaces(model, recipe)
     ws.pop("fc2_weight_cast.data_t")
-    with pytest.raises(KeyError, match="fc2_weight_cast.data_t' is missing: .*weight casts come all together"):
+    with pytest.raises(tef.errors.MissingEntryError, match="fc2_weight_cast.data_t' is missing: .*weight casts come all together"):
         tef.functional_call(model, detached_params(model), ws, (torch.randn(4, 32),), recipe=recipe)
 
 
@@ -213,7 +213,7 @@ def test_the_recipe_entry_is_on_the_models_device_and_read_once(recipe):
     forged[RECIPE_KEY][1] += 1              # an in-place change is seen (the entry's version moved)
     params = detached_params(model)
     tef.functional_call(model, params, ws, (torch.randn(2, 16),), recipe=recipe)
-    with pytest.raises(ValueError, match="made for another recipe"):
+    with pytest.raises(tef.errors.RecipeMismatchError, match="made for another recipe"):
         tef.functional_call(model, params, forged, (torch.randn(2, 16),), recipe=recipe)
 
 
@@ -261,7 +261,7 @@ class VmapInside(torch.nn.Module):
 
 def test_a_transform_inside_the_forward_is_refused_under_delayed_scaling():
     model, recipe = VmapInside(), DelayedScaling(amax_history_len=4)
-    with pytest.raises(RuntimeError, match=r"proj.*ran inside a torch.func transform .* around tef.functional_call"):
+    with pytest.raises(tef.errors.TransformError, match=r"proj.*ran inside a torch.func transform .* around tef.functional_call"):
         tef.functional_call(model, detached_params(model), tef.init_workspaces(model, recipe),
                             (torch.randn(3, 4, 16),), recipe=recipe)
 
@@ -345,11 +345,11 @@ def test_a_stateful_checkpoint_of_te_func_0_1_loads_and_resumes_where_it_stopped
 def test_format1_workspaces_of_another_recipe_are_refused_naming_both():
     saved = torch.load(DATA / "format1_delayed.pt")["state_dict"]
     shell = tef.Stateful(_format1_model(), DelayedScaling(amax_history_len=8))
-    with pytest.raises(ValueError, match=r"made for DelayedScaling\(.*amax_history_len=4.*not DelayedScaling\(.*=8"):
+    with pytest.raises(tef.errors.RecipeMismatchError, match=r"made for DelayedScaling\(.*amax_history_len=4.*not DelayedScaling\(.*=8"):
         shell.load_state_dict(saved)
     old_ws = {k.removeprefix("workspaces."): v for k, v in saved.items() if k.startswith("workspaces.")}
     model = _format1_model()
-    with pytest.raises(ValueError, match=r"te_func 0\.1 .* tef\.upgrade_workspaces"):
+    with pytest.raises(tef.errors.RecipeMismatchError, match=r"te_func 0\.1 .* tef\.upgrade_workspaces"):
         tef.functional_call(model, detached_params(model), old_ws, (torch.randn(2, 32),),
                             recipe=DelayedScaling(amax_history_len=4))
     new_ws = tef.upgrade_workspaces(old_ws, model, DelayedScaling(amax_history_len=4))
@@ -366,7 +366,7 @@ def test_format2_workspaces_upgrade_bit_for_bit(recipe):
     old = {k: v.view(torch.float8_e8m0fnu) if v.dtype == torch.uint8 else v.clone() for k, v in ws.items()}
     old[RECIPE_KEY] = torch.tensor([2, ws[RECIPE_KEY][1].item()])
     assert any(v.dtype == torch.float8_e8m0fnu for v in old.values()) == isinstance(recipe, MXFP8BlockScaling)
-    with pytest.raises(ValueError, match=r"format 2; this te_func reads format 3: convert them with "
+    with pytest.raises(tef.errors.RecipeMismatchError, match=r"format 2; this te_func reads format 3: convert them with "
                                          r"tef\.upgrade_workspaces"):
         tef.functional_call(model, detached_params(model), old, (torch.randn(2, 32),), recipe=recipe)
     new = tef.upgrade_workspaces(old, model, recipe)
@@ -375,5 +375,5 @@ def test_format2_workspaces_upgrade_bit_for_bit(recipe):
     shell.load_state_dict({**{f"model.{k}": v for k, v in model.state_dict().items()},
                            **{f"workspaces.{k}": v for k, v in old.items()}})
     assert all(torch.equal(shell.workspaces[k], ws[k]) for k in ws)
-    with pytest.raises(ValueError, match="made for another recipe"):
+    with pytest.raises(tef.errors.RecipeMismatchError, match="made for another recipe"):
         tef.upgrade_workspaces(old, model, DelayedScaling())

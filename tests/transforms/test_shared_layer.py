@@ -59,7 +59,7 @@ def test_shared_layer_gradients_match_float64():
 def test_shared_layer_under_delayed_scaling_is_refused_clearly():
     model, recipe = Tied(), DelayedScaling(amax_history_len=4)
     ws = tef.init_workspaces(model, recipe)
-    with pytest.raises(RuntimeError, match=r"Linear at 'block' was called twice in one call under DelayedScaling"):
+    with pytest.raises(tef.errors.TransformError, match=r"Linear at 'block' was called twice in one call under DelayedScaling"):
         _run(model, recipe, ws, torch.randn(4, 16), True)
 
 
@@ -81,7 +81,7 @@ def test_a_layer_in_two_calls_inside_one_grad_under_delayed_scaling_is_refused(c
     """Two functional_calls of one model inside one tef.grad: the second call's backward amax
     (3, against the first's 1) would be lost (chained) or added to the first (same workspaces)
     where TE keeps their max. Refused, naming the layer and the fix; a stateless recipe runs."""
-    with pytest.raises(RuntimeError, match=r"Linear at '0' ran in two tef.functional_calls inside one tef.grad "
+    with pytest.raises(tef.errors.TransformError, match=r"Linear at '0' ran in two tef.functional_calls inside one tef.grad "
                                            r"under DelayedScaling.*one call per microbatch"):
         _two_calls_in_one_grad(DelayedScaling(amax_history_len=4), chained)
     grads, _ = _two_calls_in_one_grad(Float8CurrentScaling(), chained)
