@@ -16,10 +16,12 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test,demo,bench]'
 	touch $@
 
+# mypy (a minute or more, most of it reading torch's types) runs beside the tests; either failing fails.
 test: venv
 	$(VENV)/bin/ruff check te_func
-	$(VENV)/bin/mypy
-	$(PY) -m pytest -n 2 -q tests $(PYTEST_ARGS)
+	$(VENV)/bin/mypy > .mypy.log 2>&1 & mypy=$$!; \
+	$(PY) -m pytest -n 2 -q tests $(PYTEST_ARGS); status=$$?; \
+	wait $$mypy; typed=$$?; cat .mypy.log; [ $$typed -eq 0 ] && exit $$status || exit $$typed
 
 demo: venv
 	$(PY) examples/demo.py
