@@ -165,14 +165,18 @@ def microbatch(frame: Frame, owner: tuple, is_first_microbatch: bool | None = No
 def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
     """What `module` runs with, read from the innermost frame of this thread.
 
-    Without a frame a module computes in high precision (and says so once: `_outside_frames`),
+    Without a frame a module computes in high precision (a GEMM layer says so once: `_outside_frames`),
     except while autograd runs a backward: that is an activation checkpoint recomputing its
     forward, and the module then replays its last call (`_replay`).
     """
     stack = _stack("frames")
     if not stack:
         replay = _replay(module)
-        return _outside_frames(layer) if replay is None else replay
+        if replay is not None:
+            return replay
+        # A norm computes the same under any recipe (a frozen model calls its norms so): only a
+        # layer with GEMMs loses its FP8 outside a frame.
+        return _outside_frames(layer) if module.gemms() else _NO_FRAME
     frame = stack[-1]
     if frame.workspaces is None:  # tef.autocast: quantize, cache nothing
         lowering = lower(frame.recipe)

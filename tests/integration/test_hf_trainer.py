@@ -96,3 +96,17 @@ def test_a_converted_model_without_a_shell_says_once_that_it_runs_in_high_precis
         warnings.warn("marker")
         model(input_ids=torch.randint(0, 128, (1, 4)))
     assert not any(issubclass(w.category, tef.errors.HighPrecisionWarning) for w in later)
+
+
+def test_a_frozen_model_with_te_func_norms_runs_without_the_warning(monkeypatch):
+    # A frozen model calls its norms outside any frame, and a norm computes the same under any recipe.
+    monkeypatch.setattr(context, "_told_outside_frames", False)
+    torch.manual_seed(0)
+    frozen = tef.freeze(torch.nn.Sequential(tef.nn.LayerNorm(32), tef.nn.Linear(32, 32)), Float8CurrentScaling())
+    with pytest.warns() as seen:
+        import warnings
+        warnings.warn("marker")
+        with torch.no_grad():
+            frozen(torch.randn(2, 32))
+    assert not any(issubclass(w.category, tef.errors.HighPrecisionWarning) for w in seen)
+    assert not context._told_outside_frames

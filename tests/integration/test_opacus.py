@@ -79,3 +79,27 @@ def test_make_private_trains_a_shell():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_a_converted_llama_gets_per_sample_gradients_free_of_the_other_samples():
+    from cases import tiny_llama
+    torch.manual_seed(0)
+    llama = tef.convert(tiny_llama())
+    gsm = GradSampleModule(tef.Stateful(llama, MXFP8BlockScaling()), loss_reduction="sum")
+
+    def run(ids):
+        for p in llama.parameters():
+            p.grad, p.grad_sample = None, None
+        gsm(input_ids=ids, labels=ids).loss.backward()
+        return ({n: p.grad_sample.clone() for n, p in llama.named_parameters() if p.grad_sample is not None},
+                {n: p.grad for n, p in llama.named_parameters()})
+
+    ids = torch.randint(0, 128, (4, 32))
+    samples, batch = run(ids)
+    q = "model.layers.0.self_attn.q_proj.weight"        # a te_func Linear, FP8 under the recipe
+    assert samples[q].shape == (4, *batch[q].shape)
+    assert torch.allclose(samples[q].sum(0), batch[q], rtol=1e-3, atol=1e-5)
+    other = ids.clone()
+    other[1:] = torch.randint(0, 128, (3, 32))
+    again, _ = run(other)
+    assert all(torch.equal(samples[n][0], again[n][0]) for n in samples)
