@@ -64,13 +64,30 @@ def _after_load(shell: Stateful, incompatible_keys):
         incompatible_keys.missing_keys.extend(prefix + _WS + k for k in shell.workspaces)
 
 
+class _WorkspaceBuffers(nn.Module):
+    """The shell's workspaces as the buffers of its submodule `workspaces`, where tensor-collection
+    tools look (named_buffers; tensordict's from_module and to_module): its buffer dict is the
+    shell's current workspace dict itself. The shell saves, loads and moves them; this module
+    does none of that, so state_dict keys and .half() are as they were."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        pass
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        pass
+
+    def _apply(self, fn, recurse=True):
+        return self
+
+
 class Stateful(nn.Module):
     """`shell = Stateful(model, recipe)`; `out = shell(x, is_first_microbatch=...)`.
 
     `shell.parameters()` are the model's; `shell.workspaces` is the current
-    workspace dict (replaced, never modified, by each call); the state_dict
-    holds both (workspace entries under `workspaces.`), also as a submodule of
-    a larger model, and `.to(device)` moves both.
+    workspace dict (replaced, never modified, by each call), also the buffers of
+    the submodule `workspaces` (named_buffers, tensordict); the state_dict holds
+    both (workspace entries under `workspaces.`), also as a submodule of a larger
+    model, and `.to(device)` moves both.
 
     Under DelayedScaling, backward records the grad-output amaxes into
     `shell.workspaces`, merged by max into the current step's slot, whatever the
@@ -101,6 +118,7 @@ class Stateful(nn.Module):
         self.weight_cache = weight_cache
         self._amax_reduction = distributed.amax_reduction_group(recipe, amax_group)
         self._pending_load = None
+        self._modules["workspaces"] = _WorkspaceBuffers()
         self._set_workspaces(init_workspaces(model, recipe, weight_cache=weight_cache))
         self.register_load_state_dict_post_hook(_after_load)
         self._show_model_signature()
@@ -135,6 +153,21 @@ class Stateful(nn.Module):
             raise ValueError("Stateful.workspaces: the dict keeps no weight casts (weight_cache=False) and this "
                              "shell keeps them; the shell is left as it was")
         self._set_workspaces(ws)
+
+    # The current dict lives as the buffer dict of the `workspaces` submodule (_WorkspaceBuffers):
+    # one dict, which each call replaces.
+    @property
+    def _workspaces(self) -> dict:
+        return self._modules["workspaces"]._buffers
+
+    @_workspaces.setter
+    def _workspaces(self, ws: dict):
+        self._modules["workspaces"]._buffers = ws
+
+    def __setattr__(self, name, value):
+        if name == "workspaces":     # the property's setter: nn.Module would take it for the submodule
+            return object.__setattr__(self, name, value)
+        super().__setattr__(name, value)
 
     def _set_workspaces(self, ws: dict):
         ws = _outside_inference_mode(ws)
@@ -332,7 +365,10 @@ class Stateful(nn.Module):
         if "workspaces" in state:        # pickled by a te_func whose shell kept them under that name
             state["_workspaces"] = state.pop("workspaces")
         state.setdefault("weight_cache", True)      # pickled before the option existed: the cache
+        ws = state.pop("_workspaces")
         super().__setstate__(state)
+        self._modules.setdefault("workspaces", _WorkspaceBuffers())
+        self._workspaces = ws
         self._make_sinks_and_inboxes()
         self._show_model_signature()
 

@@ -1,6 +1,7 @@
 """tensordict on te_func models, as its docs drive a plain model: parameters gathered with
 from_module / from_modules, an ensemble vmapped over them with the members' workspaces stacked,
-and weights copied between shells with to_module (the workspaces follow by reset_workspaces)."""
+and a shell's weights and workspaces copied into another with to_module (the workspaces are the
+buffers of the shell's `workspaces` submodule)."""
 from __future__ import annotations
 
 import pytest
@@ -37,12 +38,45 @@ def test_an_ensemble_over_from_modules_runs_each_member_as_itself(recipe):
         assert all(torch.equal(bits(new_ws[k][i]), bits(v)) for k, v in member_ws.items())
 
 
-def test_weights_copied_with_to_module_then_reset_workspaces_compute_as_the_source():
-    recipe = Float8CurrentScaling()
-    source, target = tef.Stateful(mlp(), recipe), tef.Stateful(mlp(), recipe)
+def trained(recipe, steps=3):
+    shell = tef.Stateful(mlp(), recipe)
+    for _ in range(steps):
+        shell(torch.randn(8, 32), is_first_microbatch=True).square().mean().backward()
+    return shell
+
+
+def state(shell):
+    return {k: bits(v) for k, v in shell.state_dict().items()}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_from_module_holds_the_workspaces_under_their_state_dict_keys(recipe):
+    shell = trained(recipe)
+    td = TensorDict.from_module(shell).flatten_keys(".")
+    sd = shell.state_dict()
+    assert set(td.keys()) == set(sd)
+    assert all(td[k] is shell.workspaces[k.removeprefix("workspaces.")] for k in sd if k.startswith("workspaces."))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_to_module_copies_weights_and_workspaces_so_the_copy_steps_as_the_source(recipe):
+    source, target = trained(recipe), tef.Stateful(mlp(), recipe)
     TensorDict.from_module(source).to_module(target)
-    assert all(torch.equal(a, b) for a, b in zip(source.parameters(), target.parameters()))
-    target.reset_workspaces()       # the casts of the weights it now holds
+    assert state(target).keys() == state(source).keys()
+    assert all(torch.equal(v, state(source)[k]) for k, v in state(target).items())
     x = torch.randn(8, 32)
-    with torch.no_grad():
-        assert torch.equal(source(x, is_first_microbatch=False), target(x, is_first_microbatch=False))
+    for shell in (source, target):          # one more step each: outputs and new state agree
+        shell(x, is_first_microbatch=True).square().mean().backward()
+    assert torch.equal(source(x, is_first_microbatch=False), target(x, is_first_microbatch=False))
+    assert all(torch.equal(v, state(source)[k]) for k, v in state(target).items())
+
+
+def test_to_module_as_a_context_gives_back_the_targets_own_state():
+    recipe = DelayedScaling(amax_history_len=4)
+    source, target = trained(recipe), trained(recipe, steps=1)
+    before = state(target)
+    x = torch.randn(8, 32)
+    with torch.no_grad(), TensorDict.from_module(source).to_module(target):
+        assert torch.equal(target(x, is_first_microbatch=False), source(x, is_first_microbatch=False))
+    after = state(target)
+    assert after.keys() == before.keys() and all(torch.equal(v, before[k]) for k, v in after.items())
