@@ -10,6 +10,7 @@ import functools
 import inspect
 import os
 import weakref
+from typing import cast
 
 import torch
 from torch import nn
@@ -158,11 +159,11 @@ class Stateful(nn.Module):
     # one dict, which each call replaces.
     @property
     def _workspaces(self) -> dict:
-        return self._modules["workspaces"]._buffers
+        return cast(nn.Module, self._modules["workspaces"])._buffers
 
     @_workspaces.setter
     def _workspaces(self, ws: dict):
-        self._modules["workspaces"]._buffers = ws
+        cast(nn.Module, self._modules["workspaces"])._buffers = ws
 
     def __setattr__(self, name, value):
         if name == "workspaces":     # the property's setter: nn.Module would take it for the submodule
