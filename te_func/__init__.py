@@ -7,7 +7,7 @@ through training steps for code that wants a plain nn.Module.
 The package's layers, each importing only those below it:
 
     freeze.py    freeze: an inference copy holding FP8 weight casts only (nn/frozen.py's layers)
-    integrations.py  what libraries that take a torch model need to know of te_func's layers (peft, opacus)
+    integrations.py  what libraries that take a torch model need to know of te_func (peft, opacus, HF Trainer)
     shell.py     Stateful: the only place anything is mutated
     vmapped.py   per-sample gradients and ensembles: vmap with workspaces folded, stacked, unstacked
     convert.py   convert: a torch model's layers swapped for te_func's, every tensor kept

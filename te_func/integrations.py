@@ -8,9 +8,14 @@ opacus computes per-sample gradients with a function per layer type; `register_o
 it te_func's: each sample's gradient from te_func's own FP8 path, the sample quantized on its
 own (no scale taken over the batch, which would make one sample's gradient depend on the others).
 
+HF Trainer saves a model it does not know as a bare state_dict; `TrainerMixin` has it save a
+`tef.Stateful` as `shell.save_pretrained` does, and load it back on resume.
+
 docs/integrations.md shows each library's calls.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -20,8 +25,10 @@ from .frame import functional_call, init_workspaces
 from .nn import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, TransposedLinear
 from .nn.context import last_recipe
 from .quant import lower
+from .shell import WORKSPACES_FILE, Stateful
 
-__all__ = ["lora_config", "register_opacus"]
+# Trainer (TrainerMixin on transformers.Trainer) is made on first use: see __getattr__.
+__all__ = ["TrainerMixin", "lora_config", "register_opacus"]
 
 
 def lora_config(config):
@@ -102,3 +109,56 @@ def _refuse_grouped(layer, activations: list, backprops: torch.Tensor) -> dict:
     raise TransformError("GroupedLinear: per-sample gradients need each sample's m_splits, which the batch's "
                          "m_splits do not say; compute them with tef.per_sample_grad over a function that "
                          "routes each sample")
+
+
+class TrainerMixin:
+    """Mixed in before a transformers Trainer (`class MyTrainer(TrainerMixin, Trainer)`, or
+    `tef.integrations.Trainer`): a `tef.Stateful` model saves as `shell.save_pretrained` does (its
+    model's own folder, which `from_pretrained` loads, and the workspaces beside it), in
+    save_model and in every checkpoint; resume_from_checkpoint and load_best_model_at_end take
+    both back (`shell.load_pretrained`). Other models save and load as the Trainer does."""
+
+    def _shell(self, model=None):
+        shell = self.accelerator.unwrap_model(self.model if model is None else model)
+        plain = not (self.is_fsdp_enabled or self.is_deepspeed_enabled)    # those save their own way
+        return shell if plain and isinstance(shell, Stateful) and hasattr(shell.model, "save_pretrained") else None
+
+    def _save(self, output_dir=None, state_dict=None):
+        shell = self._shell()
+        if shell is None:
+            return super()._save(output_dir, state_dict)
+        if state_dict is not None:      # given by the caller as the shell's: the model's part
+            state_dict = {k.removeprefix("model."): v for k, v in state_dict.items() if k.startswith("model.")}
+        model = self.model
+        self.model = shell.model        # the Trainer writes a PreTrainedModel's own folder
+        try:
+            super()._save(output_dir, state_dict)
+        finally:
+            self.model = model
+        if self.args.should_save:
+            shell.save_workspaces(self.args.output_dir if output_dir is None else output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        shell = self._shell(model)
+        if shell is None or not os.path.isfile(os.path.join(resume_from_checkpoint, WORKSPACES_FILE)):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        shell.load_pretrained(resume_from_checkpoint)
+
+    def _load_best_model(self):
+        shell, best = self._shell(), self.state.best_model_checkpoint
+        if shell is None or not os.path.isfile(os.path.join(best, WORKSPACES_FILE)):
+            return super()._load_best_model()
+        shell.load_pretrained(best)
+
+
+def __getattr__(name: str):
+    # `Trainer`, made when first asked for: importing transformers takes seconds, and nothing
+    # else in te_func needs it.
+    if name != "Trainer":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import transformers
+    trainer = type("Trainer", (TrainerMixin, transformers.Trainer), {
+        "__module__": __name__, "__doc__": "transformers.Trainer with TrainerMixin: a tef.Stateful saves and "
+                                           "resumes as its save_pretrained and load_pretrained do."})
+    globals()["Trainer"] = trainer
+    return trainer

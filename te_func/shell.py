@@ -409,22 +409,52 @@ class Stateful(nn.Module):
     def save_pretrained(self, save_directory, **kwargs):
         """The wrapped model's own folder (`model.save_pretrained(save_directory, **kwargs)`: its
         config and weights under its parameters' names, which `from_pretrained` loads) and the
-        workspaces beside it (WORKSPACES_FILE, safetensors). `load_workspaces(save_directory)`
-        takes them back into a shell of the reloaded, converted model."""
-        import safetensors.torch
+        workspaces beside it (`save_workspaces`). `load_workspaces(save_directory)` takes them
+        back into a shell of the reloaded, converted model; `load_pretrained` takes both back."""
         if not hasattr(self.model, "save_pretrained"):
             raise TypeError(f"Stateful.save_pretrained: {type(self.model).__name__} has no save_pretrained (not a "
                             f"HuggingFace model); save the shell's state_dict instead")
         self.model.save_pretrained(save_directory, **kwargs)
+        self.save_workspaces(save_directory)
+
+    def save_workspaces(self, directory):
+        """The workspaces, as WORKSPACES_FILE (safetensors) in `directory`."""
+        import safetensors.torch
         ws = {k: v.detach().contiguous() for k, v in self.workspaces.items()}
-        safetensors.torch.save_file(ws, os.path.join(save_directory, WORKSPACES_FILE), metadata={"format": "pt"})
+        safetensors.torch.save_file(ws, os.path.join(directory, WORKSPACES_FILE), metadata={"format": "pt"})
 
     def load_workspaces(self, directory):
-        """Take the workspaces `save_pretrained` wrote into `directory` (checked against this shell's
+        """Take the workspaces `save_workspaces` wrote into `directory` (checked against this shell's
         model and recipe, as `shell.workspaces = ws` is)."""
         import safetensors.torch
         device = next(self.model.parameters(), torch.empty(0)).device
         self.workspaces = safetensors.torch.load_file(os.path.join(directory, WORKSPACES_FILE), device=str(device))
+
+    def load_pretrained(self, directory):
+        """The weights and workspaces `save_pretrained` wrote into `directory`, into this shell's
+        model in place (one safetensors file or an indexed set of shards). A weight the folder
+        leaves out must be tied to one it holds (save_pretrained writes a tied weight once)."""
+        import json
+
+        import safetensors.torch
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = ["model.safetensors"]
+        loaded: dict = {}
+        for name in files:
+            loaded.update(safetensors.torch.load_file(os.path.join(directory, name)))
+        own = self.model.state_dict()
+        held = {own[k].data_ptr() for k in loaded if k in own}
+        absent = [k for k in own if k not in loaded and own[k].data_ptr() not in held]
+        unknown = [k for k in loaded if k not in own]
+        if absent or unknown:
+            raise KeyError(f"Stateful.load_pretrained: {directory} does not hold this shell's model "
+                           f"({type(self.model).__name__}): missing {absent[:3]}, unknown {unknown[:3]}")
+        self.model.load_state_dict(loaded, strict=False)
+        self.load_workspaces(directory)
 
     def extra_repr(self) -> str:
         return (f"recipe={self.recipe!r}" + ("" if self.amax_group is None else f", amax_group={self.amax_group!r}")

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import te_func as tef
-from cases import bits, tiny_llama
+from cases import bits, tiny_gpt2, tiny_llama
 from te_func.nn import context
 from te_func.recipe import DelayedScaling, Float8CurrentScaling
 
@@ -30,10 +30,15 @@ def dataset(n=8, tokens=16):
              "source": torch.tensor(i)} for i in range(n)]
 
 
-def trainer(model, tmp_path, steps=2):
+def trainer(model, tmp_path, steps=2, cls=Trainer, data=None, **kwargs):
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=steps,
-                             report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, seed=0)
-    return Trainer(model=model, args=args, train_dataset=dataset())
+                             report_to=[], use_cpu=True, logging_steps=1, seed=0, **{"save_strategy": "no", **kwargs})
+    return cls(model=model, args=args, train_dataset=dataset() if data is None else data)
+
+
+def same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(bits(v), bits(sb[k])) for k, v in sa.items())
 
 
 def test_the_shell_shows_its_models_signature_and_attributes():
@@ -83,6 +88,55 @@ def test_save_pretrained_writes_a_folder_from_pretrained_loads_and_the_run_resum
     b.backward()
     for k, v in shell.workspaces.items():
         assert torch.equal(bits(resumed.workspaces[k]), bits(v)), k
+
+
+def test_te_funcs_trainer_saves_a_folder_from_pretrained_loads_with_the_workspaces(tmp_path):
+    recipe = DelayedScaling(amax_history_len=4)
+    shell = shell_of(recipe)
+    t = trainer(shell, tmp_path, cls=tef.integrations.Trainer)
+    t.train()
+    t.save_model(str(tmp_path / "final"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    resumed = tef.Stateful(tef.convert(model), recipe)
+    resumed.load_workspaces(tmp_path / "final")
+    assert same_state(shell, resumed)
+    ids = torch.randint(0, 128, (2, 16))
+    assert torch.equal(shell(input_ids=ids, labels=ids).loss, resumed(input_ids=ids, labels=ids).loss)
+
+
+def test_load_pretrained_takes_sharded_tied_weights_and_the_workspaces_back_in_place(tmp_path):
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    shell = tef.Stateful(tef.convert(tiny_gpt2()), recipe)     # GPT-2 ties lm_head to the embedding
+    ids = torch.randint(0, 100, (2, 8))
+    shell(input_ids=ids, labels=ids).loss.backward()
+    shell.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    torch.manual_seed(1)
+    other = tef.Stateful(tef.convert(tiny_gpt2()), recipe)
+    other.load_pretrained(tmp_path)
+    assert same_state(shell, other)
+    llama = shell_of(recipe)
+    with pytest.raises(KeyError, match="does not hold this shell's model"):
+        llama.load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("cls", [pytest.param(Trainer, id="transformers"),
+                                 pytest.param("te_func", id="te_func")])
+def test_resume_from_checkpoint_continues_the_run_bit_identically(cls, tmp_path):
+    cls = tef.integrations.Trainer if cls == "te_func" else cls
+    recipe, data = DelayedScaling(amax_history_len=4), dataset(16)
+    through = shell_of(recipe)
+    trainer(through, tmp_path / "a", steps=4, cls=cls, data=data, save_strategy="steps", save_steps=2).train()
+    checkpoint = tmp_path / "a" / "checkpoint-2"
+    # te_func's Trainer writes each checkpoint as a from_pretrained folder; transformers' the shell's state_dict
+    assert (checkpoint / "config.json").exists() == (cls is not Trainer)
+    torch.manual_seed(1)            # other weights: the resume must load them
+    resumed = tef.Stateful(tef.convert(tiny_llama()), recipe)
+    assert not same_state(through, resumed)
+    trainer(resumed, tmp_path / "b", steps=4, cls=cls, data=data, save_strategy="steps",
+            save_steps=2).train(resume_from_checkpoint=str(checkpoint))
+    assert same_state(through, resumed)
 
 
 def test_a_converted_model_without_a_shell_says_once_that_it_runs_in_high_precision(tmp_path, monkeypatch):
