@@ -24,4 +24,4 @@ __all__ = ["activation", "cast_from_partials", "cast_kernels_available", "delaye
 # Where the kernels can run, their ops (te_func::cast_from_partials, te_func::gelu_partials) exist from
 # `import te_func` on: a program exported with them runs in a process that has imported te_func.
 if torch.cuda.is_available():
-    dispatch._cast_module()
+    dispatch._kernels("cast")

@@ -33,6 +33,7 @@ these kernels from the graph as custom ops (docs/benchmarks.md).
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 
 import torch
@@ -53,50 +54,20 @@ calls = {"fused": 0}           # how many casts the kernels made (tests check th
 
 
 @functools.cache
-def _norm_module():
-    """te_func.kernels.norm, or None where Triton is missing or cannot import."""
+def _kernels(name: str):
+    """te_func.kernels.<name> (cast, norm, delayed, weight_only), or None where it cannot import:
+    no Triton (CPU CI), or a Triton without a usable backend."""
     try:
-        from . import norm
-    except Exception:   # as _cast_module
+        return importlib.import_module(f"{__package__}.{name}")
+    except Exception:
         return None
-    return norm
-
-
-@functools.cache
-def _delayed_module():
-    """te_func.kernels.delayed, or None where Triton is missing or cannot import."""
-    try:
-        from . import delayed
-    except Exception:   # as _cast_module
-        return None
-    return delayed
-
-
-@functools.cache
-def _weight_only_module():
-    """te_func.kernels.weight_only, or None where Triton is missing or cannot import."""
-    try:
-        from . import weight_only
-    except Exception:   # as _cast_module
-        return None
-    return weight_only
-
-
-@functools.cache
-def _cast_module():
-    """te_func.kernels.cast, or None where Triton is missing or cannot import."""
-    try:
-        from . import cast
-    except Exception:   # no Triton (CPU CI), or a Triton without a usable backend
-        return None
-    return cast
 
 
 def cast_kernels_available() -> bool:
     """Whether the fused casts can run here: Triton imports and a CUDA device is visible
     (or Triton's interpreter is on, TRITON_INTERPRET=1)."""
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    return (interpret or torch.cuda.is_available()) and _cast_module() is not None
+    return (interpret or torch.cuda.is_available()) and _kernels("cast") is not None
 
 
 def set_cast_kernels(enabled: bool) -> bool:
@@ -170,7 +141,7 @@ def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_ep
     """
     if not _applies(x) or (with_transpose and x.dim() != 2):
         return None
-    kernels = _cast_module()
+    kernels = _kernels("cast")
     if kernels is None:
         return None
     # Inside torch.func.grad every op would wrap its output again: the kernels' tensors
@@ -207,12 +178,12 @@ PARTIAL_ROW, MIN_PARTIAL_ROW, MAX_PARTIALS = 4096, 256, 1024
 @torch.compiler.assume_constant_result
 def _compiled_casts_ready() -> bool:
     # A constant of the traced graph: whether te_func.kernels.cast (and its op) imports here.
-    return _cast_module() is not None
+    return _kernels("cast") is not None
 
 
 @torch.compiler.assume_constant_result
 def _gelu_tile() -> tuple[int, int]:
-    return _cast_module().GELU_PARTIALS_TILE_M, _cast_module().GELU_PARTIALS_TILE_N
+    return _kernels("cast").GELU_PARTIALS_TILE_M, _kernels("cast").GELU_PARTIALS_TILE_N
 
 
 def _compiled_op_applies(x: torch.Tensor) -> bool:
@@ -292,14 +263,14 @@ def activation(x: torch.Tensor, act: str, y: torch.Tensor | None = None, column_
     """
     # _applies first: it says no under torch.compile before any shape is compared (no guard).
     if not _applies(x) or x.dim() != 2 or (y is not None and (y.shape != x.shape or y.dtype != x.dtype)) \
-            or (bias is not None and (bias.shape != x.shape[-1:] or bias.dtype != x.dtype)) or _cast_module() is None:
+            or (bias is not None and (bias.shape != x.shape[-1:] or bias.dtype != x.dtype)) or _kernels("cast") is None:
         return None
     with _compat.functorch_disabled():
         plain = _plain_all(x, y, bias)
         if plain is None:
             return None
         x_p, y_p, b_p = (None if t is None else t.contiguous() for t in plain)
-        v, bits, sums = _cast_module().activation(x_p, y_p, act, column_sums, b_p)
+        v, bits, sums = _kernels("cast").activation(x_p, y_p, act, column_sums, b_p)
         calls["fused"] += 1
         return v, bits.view(torch.float32).reshape(()), None if sums is None else sums.to(x.dtype)
 
@@ -313,7 +284,7 @@ def _plain_all(*ts):
 
 def _norm_applies(x: torch.Tensor) -> bool:
     # _applies first, as in `activation`; a row must fit the kernels' one block
-    return _applies(x) and x.dim() == 2 and _norm_module() is not None and x.shape[-1] <= _norm_module().MAX_HIDDEN
+    return _applies(x) and x.dim() == 2 and _kernels("norm") is not None and x.shape[-1] <= _kernels("norm").MAX_HIDDEN
 
 
 def norm_forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None, eps: float, rms: bool):
@@ -329,7 +300,7 @@ def norm_forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None
         if plain is None:
             return None
         x_p, g_p, b_p = plain
-        y, mean, rsigma, bits = _norm_module().norm_forward(
+        y, mean, rsigma, bits = _kernels("norm").norm_forward(
             x_p.contiguous(), g_p.float().contiguous(), None if b_p is None else b_p.float().contiguous(), eps, rms)
         calls["fused"] += 1
         return y, None if mean is None else mean[:, None], rsigma[:, None], bits.view(torch.float32).reshape(())
@@ -347,7 +318,7 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, 
         if plain is None:
             return None
         dy_p, x_p, mean_p, rsigma_p, g_p = plain
-        out = _norm_module().norm_backward(
+        out = _kernels("norm").norm_backward(
             dy_p.contiguous(), x_p.contiguous(), None if mean_p is None else mean_p.float().reshape(-1).contiguous(),
             rsigma_p.float().reshape(-1).contiguous(), g_p.float().contiguous(), mean is None)
         calls["fused"] += 1
@@ -362,7 +333,7 @@ def _delayed(history: torch.Tensor, other: torch.Tensor, launch):
     if not _applies(history) or history.dtype != torch.float32 or history.dim() != 1 \
             or other.dtype != torch.float32 or other.numel() != 1 or other.device != history.device:
         return None
-    module = _delayed_module()
+    module = _kernels("delayed")
     if module is None or history.numel() > module.MAX_HISTORY:
         return None
     with _compat.functorch_disabled():
@@ -404,7 +375,7 @@ def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
             and (bias is None or (bias.shape == (w.shape[0],) and bias.dtype == x.dtype and bias.device == x.device))
             and _on_kernel_device(x)):
         return None
-    module = _weight_only_module()
+    module = _kernels("weight_only")
     if module is None:
         return None
     calls["fused"] += 1

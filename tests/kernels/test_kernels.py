@@ -189,7 +189,7 @@ def _partials(x, row):
 
 def _partials_op(x, partials, s):
     """te_func::cast_from_partials (registered where te_func.kernels.cast imports)."""
-    assert dispatch._cast_module() is not None
+    assert dispatch._kernels("cast") is not None
     return Quantized(*kernels.cast_from_partials(x, partials, s.dtype, s.fp8_max, s.amax_epsilon, s.power_2_scale))
 
 
@@ -294,7 +294,7 @@ def test_a_compiled_gelu_then_cast_scales_by_the_gelus_own_amax(device, kernels_
     def step(x, b):
         v, partials = torch.ops.te_func.gelu_partials(x, b)
         return v, *kernels.cast_from_partials(v, partials, s.dtype, s.fp8_max, s.amax_epsilon, s.power_2_scale)
-    assert dispatch._cast_module() is not None
+    assert dispatch._kernels("cast") is not None
     torch._dynamo.reset()
     v, data, scale_inv = torch.compile(step, fullgraph=True)(x, b)
     assert_same_bits(Quantized(data, scale_inv), _torch_cast(v, s))
@@ -327,7 +327,7 @@ def test_gelu_partials_is_the_gelu_kernel_with_each_tiles_max(device, special, s
     if special == "nan":
         x[0, 0] = float("nan")
     bias = torch.randn(shape[-1], device=device).to(dtype)
-    assert dispatch._cast_module() is not None
+    assert dispatch._kernels("cast") is not None
     v, partials = torch.ops.te_func.gelu_partials(x, bias)
     want = activation_forward(GELU, x + bias)
     assert torch.equal(v.isnan(), want.isnan())
@@ -695,7 +695,7 @@ def test_a_compiled_graph_casts_with_the_partial_maxes_the_gelu_kernel_wrote():
     pytest.importorskip("triton")
     from torch._functorch.aot_autograd import aot_function
     from torch._subclasses.fake_tensor import FakeTensorMode
-    assert dispatch._cast_module() is not None
+    assert dispatch._kernels("cast") is not None
     graphs = []
 
     def step(x, b):
