@@ -165,6 +165,14 @@ class Stateful(nn.Module):
     def _workspaces(self, ws: dict):
         cast(nn.Module, self._modules["workspaces"])._buffers = ws
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        # DistributedDataParallel broadcasts a module's buffers from rank 0 before each forward,
+        # into the tensors it listed when it was made: the workspaces, replaced by every call and
+        # kept in step by the shell itself (amax_group), are left out, as they were before they
+        # were buffers.
+        return [f"workspaces.{k}" for k in self._workspaces]
+
     def __setattr__(self, name, value):
         if name == "workspaces":     # the property's setter: nn.Module would take it for the submodule
             return object.__setattr__(self, name, value)

@@ -401,3 +401,21 @@ def test_norms_under_tef_autocast_of_delayed_scaling_run():
     x = torch.randn(4, 32)
     with tef.autocast(DELAYED):
         assert torch.equal(norm(x), torch.nn.functional.layer_norm(x, (32,), norm.weight, norm.bias))
+
+
+def test_the_workspaces_are_buffers_that_ddp_leaves_to_the_shell():
+    # Buffers (named_buffers, tensordict) under the keys the state_dict gives them; DDP, which
+    # broadcasts buffers before every forward, is told to leave them out.
+    import torch.distributed as dist
+    shell = tef.Stateful(torch.nn.Sequential(tef.nn.Linear(32, 32), tef.nn.Linear(32, 16)), DelayedScaling())
+    buffers = dict(shell.named_buffers())
+    assert buffers.keys() == {k for k in shell.state_dict() if k.startswith("workspaces.")}
+    assert all(buffers[f"workspaces.{k}"] is v for k, v in shell.workspaces.items())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(shell)
+        assert ddp.modules_buffers == []
+        ddp(torch.randn(8, 32), is_first_microbatch=True).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert shell.workspaces["1.grad_amax_history"][0] == 1      # d(sum)/d(out): ones
