@@ -531,17 +531,17 @@ def test_a_checkpoint_that_does_not_fit_gives_a_clear_error():
     short = tef.init_workspaces(model, DelayedScaling(amax_history_len=4))
     shell = tef.Stateful(model, DelayedScaling(amax_history_len=8))
     sd = {**shell.state_dict(), **{f"workspaces.{k}": v for k, v in short.items()}}
-    with pytest.raises(ValueError, match=r"another recipe.*0\.input_amax_history.*\(4,\).*\(8,\)"):
+    with pytest.raises(tef.errors.RecipeMismatchError, match=r"another recipe.*0\.input_amax_history.*\(4,\).*\(8,\)"):
         shell.load_state_dict(sd)
-    with pytest.raises(ValueError, match=r"0\.input_amax_history"):
+    with pytest.raises(tef.errors.RecipeMismatchError, match=r"0\.input_amax_history"):
         tef.functional_call(model, params, short, (x,), recipe=DelayedScaling(amax_history_len=8))
-    with pytest.raises(ValueError, match=r"made for another recipe .* than DelayedScaling"):
+    with pytest.raises(tef.errors.RecipeMismatchError, match=r"made for another recipe .* than DelayedScaling"):
         tef.functional_call(model, params, tef.init_workspaces(model, Float8CurrentScaling()), (x,),
                             recipe=DelayedScaling(amax_history_len=4))
     missing = {k: v for k, v in short.items() if k != "2.grad_scale"}
-    with pytest.raises(KeyError, match=r"'2\.grad_scale' is missing"):
+    with pytest.raises(tef.errors.MissingEntryError, match=r"'2\.grad_scale' is missing"):
         tef.functional_call(model, params, missing, (x,), recipe=DelayedScaling(amax_history_len=4))
     other = torch.nn.Sequential(tef.nn.Linear(32, 48), torch.nn.GELU(), tef.nn.Linear(48, 24))
-    with pytest.raises(ValueError, match=r"2\.weight_cast\.data"):
+    with pytest.raises(tef.errors.EntryMismatchError, match=r"2\.weight_cast\.data"):
         tef.functional_call(other, {k: v.detach() for k, v in other.named_parameters()}, short, (x,),
                             recipe=DelayedScaling(amax_history_len=4))

@@ -217,7 +217,7 @@ def test_works_inside_user_models(make, recipe):
     x = torch.randn(2, 8, 32)
     if isinstance(recipe, DelayedScaling) and isinstance(model, TwoTower):
         # towers.a is used twice: under DelayedScaling that is refused (tests/transforms/test_shared_layer.py).
-        with pytest.raises(RuntimeError, match="called twice in one call under DelayedScaling"):
+        with pytest.raises(tef.errors.TransformError, match="called twice in one call under DelayedScaling"):
             tef.functional_call(model, params, ws, (x,), recipe=recipe, is_first_microbatch=True)
         return
     out, new_ws = tef.functional_call(model, params, ws, (x,), recipe=recipe, is_first_microbatch=True)
@@ -260,13 +260,15 @@ def test_workspaces_of_another_model_are_refused():
     params = detached_params(model)
     x = torch.randn(4, 32)
     other_sizes = torch.nn.Sequential(tef.nn.Linear(32, 24), tef.nn.Linear(24, 8))
-    with pytest.raises(ValueError, match=r"workspace entry '0\.weight_cast\.data' has shape \(24, 32\)"):
+    with pytest.raises(tef.errors.EntryMismatchError,
+                       match=r"workspace entry '0\.weight_cast\.data' has shape \(24, 32\)"):
         tef.functional_call(model, params, tef.init_workspaces(other_sizes, CURRENT), (x,), recipe=CURRENT)
     other_names = torch.nn.ModuleDict({"fc1": tef.nn.Linear(32, 16), "fc2": tef.nn.Linear(16, 8)})
-    with pytest.raises(KeyError, match=r"'0\.weight_cast\.data' is missing.*not made for this model"):
+    with pytest.raises(tef.errors.MissingEntryError,
+                       match=r"'0\.weight_cast\.data' is missing.*not made for this model"):
         tef.functional_call(model, params, tef.init_workspaces(other_names, CURRENT), (x,), recipe=CURRENT)
     bigger = torch.nn.Sequential(*model, tef.nn.Linear(8, 8))
-    with pytest.raises(KeyError, match=r"belong to no te_func layer of this model"):
+    with pytest.raises(tef.errors.UnknownEntryError, match=r"belong to no te_func layer of this model"):
         tef.functional_call(model, params, tef.init_workspaces(bigger, CURRENT), (x,), recipe=CURRENT)
     with pytest.raises(TypeError, match="workspaces must be the dict from tef.init_workspaces"):
         tef.functional_call(model, params, [1], (x,), recipe=CURRENT)
@@ -278,10 +280,11 @@ def test_a_workspace_entry_of_the_wrong_dtype_or_stacked_is_told_which():
     ws = tef.init_workspaces(model, DELAYED)
     scale = ws["0.grad_scale"]
     assert scale.shape == () and scale.dtype == torch.float32
-    with pytest.raises(ValueError, match=r"'0\.grad_scale' has shape \(\) and dtype torch.float64.*keeps this "
-                                         r"entry in torch.float32; convert it"):
+    with pytest.raises(tef.errors.EntryMismatchError,
+                       match=r"'0\.grad_scale' has shape \(\) and dtype torch.float64.*keeps this "
+                             r"entry in torch.float32; convert it"):
         tef.functional_call(model, params, {**ws, "0.grad_scale": scale.double()}, (x,), recipe=DELAYED)
-    with pytest.raises(ValueError, match=r"'0\.grad_scale' has shape \(3,\).*it is stacked"):
+    with pytest.raises(tef.errors.EntryMismatchError, match=r"'0\.grad_scale' has shape \(3,\).*it is stacked"):
         tef.functional_call(model, params, {**ws, "0.grad_scale": scale.expand(3)}, (x,), recipe=DELAYED)
 
 
@@ -292,8 +295,9 @@ def test_workspaces_made_for_another_recipe_are_refused():
     # workspace's te_func_recipe entry tells them apart, read once per call.
     for other in (MXFP8BlockScaling(), Float8CurrentScaling(fp8_quant_fwd_weight=QParams(power_2_scale=True))):
         ws = tef.init_workspaces(layer, other)
-        with pytest.raises(ValueError, match=r"made for another recipe \(or other recipe options\) than "
-                                             r"Float8CurrentScaling"):
+        with pytest.raises(tef.errors.RecipeMismatchError,
+                           match=r"made for another recipe \(or other recipe options\) than "
+                                 r"Float8CurrentScaling"):
             tef.functional_call(layer, detached_params(layer), ws, (x,), recipe=CURRENT)
     with pytest.raises(TypeError, match="recipe must be None or a te_func.recipe recipe"):
         tef.init_workspaces(layer, "fp8")
@@ -301,7 +305,7 @@ def test_workspaces_made_for_another_recipe_are_refused():
 
 def test_delayed_scaling_under_autocast_is_refused():
     layer = tef.nn.Linear(32, 16)
-    with pytest.raises(RuntimeError, match=r"Linear: DelayedScaling .* tef.autocast has nowhere to keep.*"
+    with pytest.raises(tef.errors.TransformError, match=r"Linear: DelayedScaling .* tef.autocast has nowhere to keep.*"
                                            r"tef.init_workspaces"):
         with tef.autocast(DelayedScaling()):
             layer(torch.randn(4, 32))
@@ -353,7 +357,8 @@ def test_workspace_entry_on_another_device_is_refused_naming_it():
     model, recipe = torch.nn.Sequential(tef.nn.Linear(16, 8)), Float8CurrentScaling()
     ws = tef.init_workspaces(model, recipe)
     moved = {k: (v.to("meta") if k == "0.weight_cast.data_t" else v) for k, v in ws.items()}
-    with pytest.raises(ValueError, match=r"'0.weight_cast.data_t' is on meta but Linear at '0' is on cpu"):
+    with pytest.raises(tef.errors.EntryMismatchError,
+                       match=r"'0.weight_cast.data_t' is on meta but Linear at '0' is on cpu"):
         tef.functional_call(model, dict(model.named_parameters()), moved, (torch.randn(2, 16),), recipe=recipe)
 
 

@@ -64,7 +64,7 @@ def test_a_shell_built_under_inference_mode_serves_inference_and_says_so_when_tr
     with torch.inference_mode():
         assert torch.equal(shell(torch.ones(4, 16)), normal(torch.ones(4, 16)))
     assert torch.isfinite(out).all()
-    with pytest.raises(RuntimeError, match="made under torch.inference_mode"):
+    with pytest.raises(tef.errors.TransformError, match="made under torch.inference_mode"):
         shell(torch.randn(4, 16))
 
 
@@ -145,5 +145,5 @@ def test_refused_calls_evaluations_and_meta_reloads_leave_the_run_bit_identical(
 
 def test_a_frozen_model_handed_to_stateful_is_told_what_it_is():
     frozen = tef.freeze(mlp(), Float8CurrentScaling())
-    with pytest.raises(ValueError, match=r"is frozen \(tef.freeze\)"):
+    with pytest.raises(tef.errors.FrozenModelError, match=r"is frozen \(tef.freeze\)"):
         tef.Stateful(frozen, Float8CurrentScaling())

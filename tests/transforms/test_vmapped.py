@@ -149,12 +149,12 @@ def test_stacked_and_single_workspaces_are_not_mixed():
     x, y = data()
     with pytest.raises(ValueError, match="these workspaces are stacked"):
         tef.per_sample_grad(sum_loss(members[0], RECIPE), (0, 0))(detached_params(members[0]), ws, x, y)
-    with pytest.raises(ValueError, match="these workspaces are stacked .* under torch.func.vmap"):
+    with pytest.raises(tef.errors.EntryMismatchError, match="these workspaces are stacked .* under torch.func.vmap"):
         tef.functional_call(members[0], detached_params(members[0]), ws, (x,), recipe=RECIPE)
     single = tef.unstack_workspaces(ws)[0]
     with pytest.raises(ValueError, match="stacked and single entries are mixed"):
         tef.unstack_workspaces({**ws, "0.weight_cast.data": single["0.weight_cast.data"]})
-    with pytest.raises(ValueError, match="it is stacked .* among entries that are not"):
+    with pytest.raises(tef.errors.EntryMismatchError, match="it is stacked .* among entries that are not"):
         tef.functional_call(members[0], detached_params(members[0]),
                             {**single, "0.weight_cast.data": ws["0.weight_cast.data"]}, (x,), recipe=RECIPE)
     with pytest.raises(ValueError, match="set 1 is stacked already"):
