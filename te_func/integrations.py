@@ -121,7 +121,10 @@ class TrainerMixin:
     def _shell(self, model=None):
         shell = self.accelerator.unwrap_model(self.model if model is None else model)
         plain = not (self.is_fsdp_enabled or self.is_deepspeed_enabled)    # those save their own way
-        return shell if plain and isinstance(shell, Stateful) and hasattr(shell.model, "save_pretrained") else None
+        if not (plain and isinstance(shell, Stateful)):
+            return None
+        from transformers import PreTrainedModel      # a peft model saves its adapters: the Trainer's way
+        return shell if isinstance(shell.model, PreTrainedModel) else None
 
     def _save(self, output_dir=None, state_dict=None):
         shell = self._shell()

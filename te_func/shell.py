@@ -440,28 +440,19 @@ class Stateful(nn.Module):
 
     def load_pretrained(self, directory):
         """The weights and workspaces `save_pretrained` wrote into `directory`, into this shell's
-        model in place (one safetensors file or an indexed set of shards). A weight the folder
-        leaves out must be tied to one it holds (save_pretrained writes a tied weight once)."""
-        import json
-
-        import safetensors.torch
-        index = os.path.join(directory, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = ["model.safetensors"]
-        loaded: dict = {}
-        for name in files:
-            loaded.update(safetensors.torch.load_file(os.path.join(directory, name)))
-        own = self.model.state_dict()
-        held = {own[k].data_ptr() for k in loaded if k in own}
-        absent = [k for k in own if k not in loaded and own[k].data_ptr() not in held]
-        unknown = [k for k in loaded if k not in own]
-        if absent or unknown:
+        model in place. The weights are read by the model class's own `from_pretrained`, which
+        knows how the folder stores them (shards, tied weights, experts saved one by one)."""
+        if not hasattr(self.model, "save_pretrained"):
+            raise TypeError(f"Stateful.load_pretrained: {type(self.model).__name__} has no save_pretrained (not a "
+                            f"HuggingFace model); load the shell's state_dict instead")
+        # Built with this model's config: a folder of another model cannot make a model of its size.
+        loaded, info = type(self.model).from_pretrained(directory, config=self.model.config,
+                                                        output_loading_info=True)
+        misfit = [k for key in ("missing_keys", "unexpected_keys", "mismatched_keys") for k in info.get(key, ())]
+        if misfit:
             raise KeyError(f"Stateful.load_pretrained: {directory} does not hold this shell's model "
-                           f"({type(self.model).__name__}): missing {absent[:3]}, unknown {unknown[:3]}")
-        self.model.load_state_dict(loaded, strict=False)
+                           f"({type(self.model).__name__}): {sorted(map(str, misfit))[:3]} do not fit")
+        self.model.load_state_dict(loaded.state_dict())
         self.load_workspaces(directory)
 
     def extra_repr(self) -> str:

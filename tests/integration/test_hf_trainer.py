@@ -121,18 +121,29 @@ def test_load_pretrained_takes_sharded_tied_weights_and_the_workspaces_back_in_p
         llama.load_pretrained(tmp_path)
 
 
+def tiny_qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                              intermediate_size=128, moe_intermediate_size=64, num_experts=4,
+                                              num_experts_per_tok=2, decoder_sparse_step=1,
+                                              max_position_embeddings=64))
+
+
+@pytest.mark.parametrize("make", [pytest.param(tiny_llama, id="llama"), pytest.param(tiny_qwen3_moe, id="moe")])
 @pytest.mark.parametrize("cls", [pytest.param(Trainer, id="transformers"),
                                  pytest.param("te_func", id="te_func")])
-def test_resume_from_checkpoint_continues_the_run_bit_identically(cls, tmp_path):
+def test_resume_from_checkpoint_continues_the_run_bit_identically(cls, make, tmp_path):
     cls = tef.integrations.Trainer if cls == "te_func" else cls
     recipe, data = DelayedScaling(amax_history_len=4), dataset(16)
-    through = shell_of(recipe)
+    torch.manual_seed(0)
+    through = tef.Stateful(tef.convert(make()), recipe)
     trainer(through, tmp_path / "a", steps=4, cls=cls, data=data, save_strategy="steps", save_steps=2).train()
     checkpoint = tmp_path / "a" / "checkpoint-2"
     # te_func's Trainer writes each checkpoint as a from_pretrained folder; transformers' the shell's state_dict
     assert (checkpoint / "config.json").exists() == (cls is not Trainer)
     torch.manual_seed(1)            # other weights: the resume must load them
-    resumed = tef.Stateful(tef.convert(tiny_llama()), recipe)
+    resumed = tef.Stateful(tef.convert(make()), recipe)
     assert not same_state(through, resumed)
     trainer(resumed, tmp_path / "b", steps=4, cls=cls, data=data, save_strategy="steps",
             save_steps=2).train(resume_from_checkpoint=str(checkpoint))
