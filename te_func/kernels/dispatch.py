@@ -1,34 +1,15 @@
-"""When the fused Triton cast runs instead of te_func.quant's torch code.
+"""When the fused Triton kernels run instead of te_func's torch code.
 
-The kernels run on CUDA, eagerly, on plain tensors. Everywhere else the torch
-path runs: on CPU; under torch.compile (inductor fuses the torch path itself);
-under torch.func.vmap (the torch path takes one amax per sample); for other
-dtypes, empty or non-contiguous tensors. The casts' and the GELU's results are
-bit-identical either way, so that choice never changes numerics; the norms'
-(`norm_forward`, `norm_backward`) agree to fp32 rounding, their row sums being
-added in another order (as torch's own reductions differ between eager and
-inductor).
+Eagerly, on CUDA, on plain tensors: the casts (`tensorwise_cast`), the GELU with its amax
+(`activation`), the norms, DelayedScaling's bookkeeping (`delayed_update`, `delayed_record`).
+Everywhere else the torch path runs: on CPU; under torch.compile (inductor fuses it itself,
+which measured faster than calling these kernels from the graph: docs/benchmarks.md); under
+torch.func.vmap (one amax per sample); for other dtypes, empty or non-contiguous tensors.
+Results are bit-identical either way, except the norms', whose row sums add in another order.
 
-`weight_only_mm` is weight-only FP8's GEMM (te_func.gemm.weight_only_gemm): the FP8 weight
-read once and widened in registers. Unlike the rest it also runs under torch.compile,
-from inside the te_func::weight_only_mm op that the compiled graph calls.
-
-`partial_rows`, `gelu_partials` and `cast_from_partials` also run under torch.compile, as ops of
-the graph: current scaling's cast of a small tensor (a decode step's), its amax from the
-partial maxes that the pass making the tensor takes (inductor's own pass, or the GELU kernel's),
-in one kernel; and, at any size, the cast of a GELU's output when nothing saves it for a
-backward (a frozen model's fc2 input), so that the GELU is computed once.
-
-`delayed_update` and `delayed_record` do DelayedScaling's per-role bookkeeping (the
-new scale and the rolled history; a cast's amax into the current slot) in one launch
-each, with the torch code's bits.
-
-`activation` computes LayerNormMLP's GELU, or its input gradient, with the amax
-(and the column sums: fc1's bias gradient) on the way, so that its cast takes
-one more pass instead of two, as TE's fused activation kernels do. Under
-torch.compile the torch path runs there too: inductor fuses the GELU's formulas
-into the casts' passes itself, which measured faster on an H200 than calling
-these kernels from the graph as custom ops (docs/benchmarks.md).
+Under torch.compile three run as ops of the graph: `gelu_partials` and `cast_from_partials`
+(current scaling's cast of a small tensor, or of a GELU's output, from partial maxes taken on
+the way; `partial_rows` says where) and `weight_only_mm` (te_func.gemm.weight_only_gemm).
 """
 from __future__ import annotations
 
