@@ -113,10 +113,23 @@ def _refuse_grouped(layer, activations: list, backprops: torch.Tensor) -> dict:
 
 class TrainerMixin:
     """Mixed in before a transformers Trainer (`class MyTrainer(TrainerMixin, Trainer)`, or
-    `tef.integrations.Trainer`): a `tef.Stateful` model saves as `shell.save_pretrained` does (its
-    model's own folder, which `from_pretrained` loads, and the workspaces beside it), in
-    save_model and in every checkpoint; resume_from_checkpoint and load_best_model_at_end take
-    both back (`shell.load_pretrained`). Other models save and load as the Trainer does."""
+    `tef.integrations.Trainer`) for a `tef.Stateful` of a HuggingFace model: evaluation knows
+    the model's label names (and so computes its loss), and the shell saves as
+    `shell.save_pretrained` does (its model's own folder, which `from_pretrained` loads, and the
+    workspaces beside it), in save_model and in every checkpoint; resume_from_checkpoint and
+    load_best_model_at_end take both back (`shell.load_pretrained`). Other models save and load
+    as the Trainer does."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        shell = self.accelerator.unwrap_model(self.model)
+        if isinstance(shell, Stateful) and self.args.label_names is None:
+            # The Trainer reads the label names (hence whether evaluation computes a loss) from
+            # the model's class: the shell's class names none. Its model's class does.
+            from transformers.trainer_utils import unwrap_peft_model
+            from transformers.utils.generic import can_return_loss, find_labels
+            model_class = type(unwrap_peft_model(shell.model))
+            self.label_names, self.can_return_loss = find_labels(model_class), can_return_loss(model_class)
 
     def _shell(self, model=None):
         shell = self.accelerator.unwrap_model(self.model if model is None else model)

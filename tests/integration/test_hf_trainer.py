@@ -30,10 +30,10 @@ def dataset(n=8, tokens=16):
              "source": torch.tensor(i)} for i in range(n)]
 
 
-def trainer(model, tmp_path, steps=2, cls=Trainer, data=None, **kwargs):
+def trainer(model, tmp_path, steps=2, cls=Trainer, data=None, eval_data=None, **kwargs):
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=steps,
                              report_to=[], use_cpu=True, logging_steps=1, seed=0, **{"save_strategy": "no", **kwargs})
-    return cls(model=model, args=args, train_dataset=dataset() if data is None else data)
+    return cls(model=model, args=args, train_dataset=dataset() if data is None else data, eval_dataset=eval_data)
 
 
 def same_state(a, b):
@@ -148,6 +148,31 @@ def test_resume_from_checkpoint_continues_the_run_bit_identically(cls, make, tmp
     trainer(resumed, tmp_path / "b", steps=4, cls=cls, data=data, save_strategy="steps",
             save_steps=2).train(resume_from_checkpoint=str(checkpoint))
     assert same_state(through, resumed)
+
+
+def test_te_funcs_trainer_evaluates_the_models_loss(tmp_path):
+    # transformers' Trainer reads label names from the model's class, and the shell's names none
+    shell = shell_of(Float8CurrentScaling())
+    plain = trainer(shell, tmp_path, eval_data=dataset(4))
+    assert plain.label_names == [] and "eval_loss" not in plain.evaluate()
+    ours = trainer(shell, tmp_path, cls=tef.integrations.Trainer, eval_data=dataset(4))
+    assert ours.label_names == ["labels"] and torch.isfinite(torch.tensor(ours.evaluate()["eval_loss"]))
+
+
+def test_load_best_model_at_end_takes_the_best_checkpoints_weights_and_workspaces_back(tmp_path):
+    recipe = DelayedScaling(amax_history_len=4)
+    shell = shell_of(recipe)
+    ranks = iter([1.0, 0.0])        # the first evaluation (step 2) is the best: not the last state
+    t = trainer(shell, tmp_path, steps=4, cls=tef.integrations.Trainer, data=dataset(16), eval_data=dataset(4),
+                save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+                metric_for_best_model="rank", greater_is_better=True)
+    t.compute_metrics = lambda _: {"rank": next(ranks)}
+    t.train()
+    assert t.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+    best, last = shell_of(recipe), shell_of(recipe)
+    best.load_pretrained(tmp_path / "checkpoint-2")
+    last.load_pretrained(tmp_path / "checkpoint-4")
+    assert same_state(shell, best) and not same_state(shell, last)
 
 
 def test_a_converted_model_without_a_shell_says_once_that_it_runs_in_high_precision(tmp_path, monkeypatch):
