@@ -320,9 +320,14 @@ def _outside_frames(layer: str) -> Binding:
     if torch.compiler.is_compiling() or _told_outside_frames:
         return _NO_FRAME
     _told_outside_frames = True
+    if _compat.current_level() is None:
+        fix = "To train in FP8 wrap the model, shell = tef.Stateful(model, recipe), and train the shell."
+    else:   # a torch.func transform of the layer itself: torch.func.functional_call, opacus's per-sample grads
+        fix = ("It ran inside a torch.func transform (vmap, grad) applied to the layer or model itself: call the "
+               "model through tef.functional_call there (docs/functional.md); for opacus's per-sample gradients, "
+               "call tef.integrations.register_opacus() before wrapping the model.")
     warnings.warn(f"{layer} ran outside tef.functional_call, tef.Stateful and tef.autocast, so no recipe ran: te_func "
-                  f"layers called on their own compute in high precision, as the torch layers they replace. To "
-                  f"train in FP8 wrap the model, shell = tef.Stateful(model, recipe), and train the shell. "
+                  f"layers called on their own compute in high precision, as the torch layers they replace. {fix} "
                   f"(Shown once per process; te_func.errors.HighPrecisionWarning.)", HighPrecisionWarning,
                   stacklevel=_caller_outside_torch())
     return _NO_FRAME

@@ -103,3 +103,13 @@ def test_a_converted_llama_gets_per_sample_gradients_free_of_the_other_samples()
     other[1:] = torch.randint(0, 128, (3, 32))
     again, _ = run(other)
     assert all(torch.equal(samples[n][0], again[n][0]) for n in samples)
+
+
+def test_without_register_opacus_its_fallback_says_it_runs_in_high_precision_and_names_the_fix(monkeypatch):
+    from te_func.nn import context
+    for layer in (tef.nn.Linear, tef.nn.LayerNormMLP):
+        monkeypatch.delitem(GradSampleModule.GRAD_SAMPLERS, layer)
+    monkeypatch.setattr(context, "_told_outside_frames", False)
+    x, y = torch.randn(4, 32, 128), torch.randn(4, 32, 64)
+    with pytest.warns(tef.errors.HighPrecisionWarning, match=r"inside a torch\.func transform.*register_opacus\(\)"):
+        per_sample_grads(MXFP8BlockScaling(), x, y)
