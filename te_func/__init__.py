@@ -4,26 +4,8 @@ Each layer is a pure function `(params, workspaces) -> (out, new_workspaces)`
 used through `tef.functional_call`; `tef.Stateful` threads the workspaces
 through training steps for code that wants a plain nn.Module.
 
-The package's layers, each importing only those below it:
-
-    freeze.py    freeze: an inference copy holding FP8 weight casts only (nn/frozen.py's layers)
-    integrations.py  what libraries that take a torch model need to know of te_func (peft, opacus, HF Trainer)
-    shell.py     Stateful: the only place anything is mutated
-    vmapped.py   per-sample gradients and ensembles: vmap with workspaces folded, stacked, unstacked
-    convert.py   convert: a torch model's layers swapped for te_func's, every tensor kept
-    frame.py     functional_call, init_workspaces, autocast, grad: workspace entries by module path
-    backward_state.py  what a backward produces besides gradients, and how it comes back
-    distributed/ torch.distributed: FSDP2's weights, FP8 all-gather, amax reduction, tensor parallelism,
-                 checkpoints
-    nn/          modules: parameter holders with TE's names; forward calls one functional op
-    functional/  per-op functions: tensors and an op-local workspace dict in, (out, new workspace) out
-    ops/         the layers' math behind one autograd boundary: tensors in and out by name
-    gemm.py      FP8 and FP4 GEMMs: torch._scaled_mm where the device has it, exact emulation elsewhere
-    quant/       scaling math, quantize / dequantize, cached weight casts, delayed-scaling state,
-                 and the workspace format (quant/workspace.py)
-    kernels/     fused Triton casts (and the GELU's pass) for eager CUDA tensors, bit-identical to the torch code
-    recipe.py    the recipes: frozen, hashable dataclasses
-    errors.py    one class per misuse te_func detects (imported by any layer)
+The package is built in floors, each importing only those below it; docs/architecture.md
+draws them from the imports and says what each holds.
 
 Promises: nothing passed to a functional call is mutated; the same inputs give
 the same outputs; compiled results equal eager ones; a workspace made for
