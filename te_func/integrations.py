@@ -114,7 +114,8 @@ def _refuse_grouped(layer, activations: list, backprops: torch.Tensor) -> dict:
 class TrainerMixin:
     """Mixed in before a transformers Trainer (`class MyTrainer(TrainerMixin, Trainer)`, or
     `tef.integrations.Trainer`) for a `tef.Stateful` of a HuggingFace model: evaluation knows
-    the model's label names (and so computes its loss), and the shell saves as
+    the model's label names (and so computes its loss), each step's first microbatch casts
+    the weights for the others (is_first_microbatch), and the shell saves as
     `shell.save_pretrained` does (its model's own folder, which `from_pretrained` loads, and the
     workspaces beside it), in save_model and in every checkpoint; resume_from_checkpoint and
     load_best_model_at_end take both back (`shell.load_pretrained`). Other models save and load
@@ -130,6 +131,18 @@ class TrainerMixin:
             from transformers.utils.generic import can_return_loss, find_labels
             model_class = type(unwrap_peft_model(shell.model))
             self.label_names, self.can_return_loss = find_labels(model_class), can_return_loss(model_class)
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        # A step's first microbatch casts the weights, the others reuse the casts (as TE's
+        # is_first_microbatch): the Trainer's accumulation, which calls the model with the batch
+        # alone, would otherwise recast every microbatch, and under DelayedScaling start a step.
+        shell = self.accelerator.unwrap_model(model)
+        if isinstance(shell, Stateful) and shell.weight_cache and "is_first_microbatch" not in inputs:
+            inputs = {**inputs, "is_first_microbatch": getattr(self, "_next_is_first", True)}
+        try:
+            return super().training_step(model, inputs, *args, **kwargs)
+        finally:   # the optimizer steps after the microbatch that syncs the gradients
+            self._next_is_first = self.accelerator.sync_gradients
 
     def _shell(self, model=None):
         shell = self.accelerator.unwrap_model(self.model if model is None else model)

@@ -159,6 +159,21 @@ def test_te_funcs_trainer_evaluates_the_models_loss(tmp_path):
     assert ours.label_names == ["labels"] and torch.isfinite(torch.tensor(ours.evaluate()["eval_loss"]))
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_te_funcs_trainer_casts_the_weights_once_a_step_under_gradient_accumulation(recipe, tmp_path):
+    runs = {}
+    for cls in (Trainer, tef.integrations.Trainer):
+        shell = shell_of(recipe)
+        trainer(shell, tmp_path, steps=2, cls=cls, data=dataset(16), gradient_accumulation_steps=2).train()
+        runs[cls] = shell
+    plain, ours = runs[Trainer], runs[tef.integrations.Trainer]
+    history = "model.layers.0.self_attn.q_proj.weight_amax_history"
+    if isinstance(recipe, DelayedScaling):     # a step a history slot, as TE's: not one per microbatch
+        assert (ours.workspaces[history] != 0).sum() == 2 and (plain.workspaces[history] != 0).sum() == 4
+    else:                                       # the casts reused within a step are the ones made again
+        assert same_state(plain, ours)
+
+
 def test_load_best_model_at_end_takes_the_best_checkpoints_weights_and_workspaces_back(tmp_path):
     recipe = DelayedScaling(amax_history_len=4)
     shell = shell_of(recipe)
