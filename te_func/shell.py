@@ -167,10 +167,9 @@ class Stateful(nn.Module):
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
-        # DistributedDataParallel broadcasts a module's buffers from rank 0 before each forward,
-        # into the tensors it listed when it was made: the workspaces, replaced by every call and
-        # kept in step by the shell itself (amax_group), are left out, as they were before they
-        # were buffers.
+        # DistributedDataParallel broadcasts a module's buffers from rank 0, in place, before each
+        # forward: the workspaces, which the shell replaces and never modifies, and keeps in step
+        # across ranks itself (amax_group), are left out, as they were before they were buffers.
         return [f"workspaces.{k}" for k in self._workspaces]
 
     def __setattr__(self, name, value):
