@@ -16,6 +16,7 @@ docs/integrations.md shows each library's calls.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -121,10 +122,15 @@ class TrainerMixin:
     load_best_model_at_end take both back (`shell.load_pretrained`). Other models save and load
     as the Trainer does."""
 
+    # What the mixin reads of the Trainer it is mixed into.
+    accelerator: Any
+    is_fsdp_enabled: bool
+    is_deepspeed_enabled: bool
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        shell = self.accelerator.unwrap_model(self.model)
-        if isinstance(shell, Stateful) and self.args.label_names is None:
+        shell = self._stateful(self.model)
+        if shell is not None and self.args.label_names is None:
             # The Trainer reads the label names (hence whether evaluation computes a loss) from
             # the model's class: the shell's class names none. Its model's class does.
             from transformers.trainer_utils import unwrap_peft_model
@@ -136,18 +142,23 @@ class TrainerMixin:
         # A step's first microbatch casts the weights, the others reuse the casts (as TE's
         # is_first_microbatch): the Trainer's accumulation, which calls the model with the batch
         # alone, would otherwise recast every microbatch, and under DelayedScaling start a step.
-        shell = self.accelerator.unwrap_model(model)
-        if isinstance(shell, Stateful) and shell.weight_cache and "is_first_microbatch" not in inputs:
+        shell = self._stateful(model)
+        if shell is not None and shell.weight_cache and "is_first_microbatch" not in inputs:
             inputs = {**inputs, "is_first_microbatch": getattr(self, "_next_is_first", True)}
         try:
             return super().training_step(model, inputs, *args, **kwargs)
         finally:   # the optimizer steps after the microbatch that syncs the gradients
             self._next_is_first = self.accelerator.sync_gradients
 
-    def _shell(self, model=None):
-        shell = self.accelerator.unwrap_model(self.model if model is None else model)
-        plain = not (self.is_fsdp_enabled or self.is_deepspeed_enabled)    # those save their own way
-        if not (plain and isinstance(shell, Stateful)):
+    def _stateful(self, model) -> Stateful | None:
+        """The shell the Trainer's model is (under its DDP / compile wrappers), or None."""
+        shell = self.accelerator.unwrap_model(model)
+        return shell if isinstance(shell, Stateful) else None
+
+    def _shell(self, model=None) -> Stateful | None:
+        """The shell whose HF folder this Trainer saves and loads, or None (the Trainer's own way)."""
+        shell = self._stateful(self.model if model is None else model)
+        if shell is None or self.is_fsdp_enabled or self.is_deepspeed_enabled:     # those save their own way
             return None
         from transformers import PreTrainedModel      # a peft model saves its adapters: the Trainer's way
         return shell if isinstance(shell.model, PreTrainedModel) else None

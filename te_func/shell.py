@@ -141,19 +141,22 @@ class Stateful(nn.Module):
 
     @workspaces.setter
     def workspaces(self, ws: dict):
+        self._check_fits(ws, "Stateful.workspaces")
+        self._set_workspaces(ws)
+
+    def _check_fits(self, ws: dict, who: str):
         # Checked before anything is replaced: a dict of another model or recipe leaves the
         # shell as it was.
         try:
             holds_casts = keeps_weight_casts(self.model, ws, self.recipe)
         except (KeyError, ValueError, TypeError) as e:
-            raise type(e)(f"Stateful.workspaces: the dict does not fit this shell's model "
+            raise type(e)(f"{who}: the workspaces do not fit this shell's model "
                           f"({type(self.model).__name__}, recipe={type(self.recipe).__name__}), which is left as "
-                          f"it was: {e.args[0]}. Make it with tef.init_workspaces(shell.model, shell.recipe), or "
-                          f"take it from this shell") from None
+                          f"it was: {e.args[0]}. Make them with tef.init_workspaces(shell.model, shell.recipe), or "
+                          f"take them from this shell") from None
         if self.weight_cache and not holds_casts:
-            raise ValueError("Stateful.workspaces: the dict keeps no weight casts (weight_cache=False) and this "
-                             "shell keeps them; the shell is left as it was")
-        self._set_workspaces(ws)
+            raise ValueError(f"{who}: the workspaces keep no weight casts (weight_cache=False) and this shell keeps "
+                             f"them; the shell is left as it was")
 
     # The current dict lives as the buffer dict of the `workspaces` submodule (_WorkspaceBuffers):
     # one dict, which each call replaces.
@@ -433,17 +436,30 @@ class Stateful(nn.Module):
     def load_workspaces(self, directory):
         """Take the workspaces `save_workspaces` wrote into `directory` (checked against this shell's
         model and recipe, as `shell.workspaces = ws` is)."""
+        ws = self._read_workspaces(directory, "Stateful.load_workspaces")
+        self._check_fits(ws, "Stateful.load_workspaces")
+        self._set_workspaces(ws)
+
+    def _read_workspaces(self, directory, who: str) -> dict:
         import safetensors.torch
+        path = os.path.join(directory, WORKSPACES_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{who}: {directory} holds no {WORKSPACES_FILE}: it was not written by "
+                                    f"shell.save_pretrained (or save_workspaces). For a model's own folder, load "
+                                    f"it with from_pretrained and make fresh workspaces (shell.reset_workspaces())")
         device = next(self.model.parameters(), torch.empty(0)).device
-        self.workspaces = safetensors.torch.load_file(os.path.join(directory, WORKSPACES_FILE), device=str(device))
+        return safetensors.torch.load_file(path, device=str(device))
 
     def load_pretrained(self, directory):
         """The weights and workspaces `save_pretrained` wrote into `directory`, into this shell's
-        model in place. The weights are read by the model class's own `from_pretrained`, which
-        knows how the folder stores them (shards, tied weights, experts saved one by one)."""
+        model in place; the shell is left as it was if either does not fit. The weights are read by
+        the model class's own `from_pretrained`, which knows how the folder stores them (shards,
+        tied weights, experts saved one by one), into a second copy on the CPU first."""
         if not hasattr(self.model, "save_pretrained"):
             raise TypeError(f"Stateful.load_pretrained: {type(self.model).__name__} has no save_pretrained (not a "
                             f"HuggingFace model); load the shell's state_dict instead")
+        ws = self._read_workspaces(directory, "Stateful.load_pretrained")
+        self._check_fits(ws, "Stateful.load_pretrained")
         # Built with this model's config: a folder of another model cannot make a model of its size.
         loaded, info = type(self.model).from_pretrained(directory, config=self.model.config,
                                                         output_loading_info=True)
@@ -452,7 +468,7 @@ class Stateful(nn.Module):
             raise KeyError(f"Stateful.load_pretrained: {directory} does not hold this shell's model "
                            f"({type(self.model).__name__}): {sorted(map(str, misfit))[:3]} do not fit")
         self.model.load_state_dict(loaded.state_dict())
-        self.load_workspaces(directory)
+        self._set_workspaces(ws)
 
     def extra_repr(self) -> str:
         return (f"recipe={self.recipe!r}" + ("" if self.amax_group is None else f", amax_group={self.amax_group!r}")

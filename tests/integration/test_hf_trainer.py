@@ -117,8 +117,26 @@ def test_load_pretrained_takes_sharded_tied_weights_and_the_workspaces_back_in_p
     other.load_pretrained(tmp_path)
     assert same_state(shell, other)
     llama = shell_of(recipe)
+    with pytest.raises(tef.errors.MissingEntryError, match="load_pretrained: the workspaces do not fit"):
+        llama.load_pretrained(tmp_path)
+    llama.save_workspaces(tmp_path)     # workspaces that fit, beside another model's weights
     with pytest.raises(KeyError, match="does not hold this shell's model"):
         llama.load_pretrained(tmp_path)
+
+
+def test_load_pretrained_of_a_folder_that_does_not_fit_leaves_the_shell_as_it_was(tmp_path):
+    shell = shell_of(DelayedScaling(amax_history_len=4))
+    before = {k: bits(v).clone() for k, v in shell.state_dict().items()}
+    shell.model.save_pretrained(tmp_path / "plain")          # the model's own folder: no workspaces
+    with pytest.raises(FileNotFoundError, match="holds no te_func_workspaces.safetensors"):
+        shell.load_pretrained(tmp_path / "plain")
+    with pytest.raises(FileNotFoundError, match="holds no te_func_workspaces.safetensors"):
+        shell.load_workspaces(tmp_path / "plain")
+    shell_of(Float8CurrentScaling()).save_pretrained(tmp_path / "current")     # another recipe's
+    with pytest.raises(tef.errors.RecipeMismatchError, match="load_pretrained: the workspaces do not fit"):
+        shell.load_pretrained(tmp_path / "current")
+    after = shell.state_dict()
+    assert all(torch.equal(bits(after[k]), v) for k, v in before.items())
 
 
 def tiny_qwen3_moe():
