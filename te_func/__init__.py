@@ -1,17 +1,10 @@
 """te_func: TransformerEngine's PyTorch layers as pure functions.
 
-Each layer is a pure function `(params, workspaces) -> (out, new_workspaces)`
-used through `tef.functional_call`; `tef.Stateful` threads the workspaces
-through training steps for code that wants a plain nn.Module.
-
-The package is built in floors, each importing only those below it; docs/architecture.md
-draws them from the imports and says what each holds.
-
-Promises: nothing passed to a functional call is mutated; the same inputs give
-the same outputs; compiled results equal eager ones; a workspace made for
-another recipe, or with entries another model's layers would have, is refused
-with an error naming the entry.
-"""
+Each layer is a pure function `(params, workspaces) -> (out, new_workspaces)` used through
+`tef.functional_call`; `tef.Stateful` threads the workspaces through training steps. Nothing
+passed to a functional call is mutated; compiled results equal eager ones; a workspace made for
+another recipe or model is refused with an error naming the entry. docs/architecture.md draws
+the floors the package is built in."""
 from . import _compat, distributed, errors, functional, integrations, nn, quant, recipe
 from .errors import Error
 from .convert import convert, fp8_pays

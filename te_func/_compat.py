@@ -1,14 +1,9 @@
 """The private torch internals te_func reads: torch.func's transform levels and wrappers, the
-autograd engine's running backward, and the one torch bug it works around (inductor's C++ loop
-split), and the vmap rule for Tensor.view(dtype) torch 2.11 lacks. torch.ops / torch.library
-registrations of te_func's own ops, torch._scaled_mm and dynamo's public-by-use hooks
-(allow_in_graph, mark_static_address) stay where they are used.
+autograd engine's running backward, the one torch bug it works around (inductor's C++ loop
+split), and the vmap rule for Tensor.view(dtype) torch 2.11 lacks.
 
-Checked on torch 2.11 (the GPU machine) and 2.13 (CPU). A torch upgrade that moves them breaks
-here first: tests/transforms/test_higher_order.py, test_vmapped.py and test_stateful.py run every path
-through the functorch and engine calls, tests/transforms/test_transforms.py compiles the models the loop
-split guard is for.
-"""
+Checked on torch 2.11 and 2.13. A torch upgrade that moves them breaks here first:
+tests/transforms/ run every path through them."""
 from __future__ import annotations
 
 import functools

@@ -1,30 +1,14 @@
 """What a backward produces besides gradients, and how it comes back into the workspaces.
 
-Under DelayedScaling each GEMM's backward computes the amax of its output
-gradient, which belongs in the current slot of that GEMM's grad history
-(`{prefix}grad_amax_history`). The op returns it as the "gradient" of the history
-entry its forward read: zeros but for slot 0 (te_func.ops.gemm_layer.backward_amax;
-in batch scope, the batch amax). Whatever runs the backward, that value reaches the
-workspaces by one rule, an elementwise max into the history as it is when the
-backward ends (never a sum: two microbatches' amaxes must give their max, as TE's do):
-
-    tef.grad / value_and_grad   frame.py differentiates the workspace entries that can
-                                carry such state; `merge` puts the "gradients" into new_ws
-                                (after `reduce_amaxes` under amax reduction)
-    tef.Stateful, eager         each call's history is a fresh leaf; a hook on the op's node
-                                (`deliver`) puts the amax into the shell's inbox for that
-                                history, and the inbox is merged when the backward ends
-                                (`merge_when_backward_ends`), on a read and before a call
-    tef.Stateful, compiled      the call reads each history through `DeliverToInboxes`, whose
-                                backward puts the amax into the inbox; merged as above
-    torch.func.vmap             per-sample copies of a history each hold one sample's amax;
-                                te_func.vmapped folds them by max (Entry.records_amax)
-    tef.checkpoint              the recompute's backward reads the histories as the forward
-                                was given them (te_func.checkpoint), so its amax lands likewise
-
-NVFP4's random streams need none of this: a training call's forward leaves the next
-state (te_func.functional._gemm).
-"""
+Under DelayedScaling each GEMM's backward computes the amax of its output gradient, which the op
+returns as the "gradient" of the grad history its forward read (zeros but for slot 0;
+te_func.ops.gemm_layer.backward_amax). Whatever runs the backward, it reaches the workspaces by
+one rule: an elementwise max into the history as it is when the backward ends (two microbatches'
+amaxes give their max, as TE's do). tef.grad: frame.py differentiates the entries and `merge`
+puts the amaxes into new_ws. tef.Stateful: a hook on the op's node (eager, `deliver`) or
+`DeliverToInboxes` (compiled) puts them into the shell's inboxes, merged when the backward ends.
+vmap: te_func.vmapped folds per-sample copies by max. tef.checkpoint: the recompute reads the
+histories as the forward was given them, so its amax lands likewise."""
 from __future__ import annotations
 
 import functools

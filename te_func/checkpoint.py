@@ -1,30 +1,13 @@
-"""Activation checkpointing that torch.func transforms accept: `tef.checkpoint`.
+"""Activation checkpointing that torch.func transforms accept: `tef.checkpoint(block, *args)`.
 
-    out = tef.checkpoint(block, *args, **kwargs)     # inside a model's forward
-
-Under tef.grad / tef.value_and_grad / tef.per_sample_grad (torch.func transforms),
-torch.utils.checkpoint is refused by torch.func itself (saved-tensor hooks, or a
-Function without setup_context). `tef.checkpoint` is one autograd Function in the
-form torch.func takes (forward + setup_context, a generated vmap rule) whose
-inputs are everything the block's gradient depends on, by name: the tensor
-arguments, the block's parameters, and the workspace entries of its te_func
-layers. Its forward runs the block without keeping activations, inside a frame
-of its own over those entries, and hands the entries the block wrote (the step's
-weight casts, the recorded amaxes) to the enclosing call. Its backward runs the
-block again as a later microbatch of the same step (TE's te.checkpoint keeps the
-forward's FP8 state for its recompute in the same way): over the forward's new
-entries, so the weight casts and scales are reused and nothing rolls or updates,
-with the grad histories and random streams as the forward was given them, so
-DelayedScaling's backward amax is recorded once (it comes back as the history's
-gradient, as without checkpointing) and NVFP4's stochastic rounding draws the
-same numbers. The recompute is differentiated with torch.func.vjp.
-
-Outside torch.func transforms (eager training, tef.Stateful) it is
-torch.utils.checkpoint.checkpoint(use_reentrant=False), which the frame already
-supports (te_func.nn.context, activation checkpointing). Under torch.compile it
-runs the block as is: dynamo cannot carry the block's description into a graph,
-and torch.compile's partitioner chooses what to recompute; the gradients are the same.
-"""
+torch.func refuses torch.utils.checkpoint. `tef.checkpoint` is one Function in the form it takes,
+whose inputs are everything the block's gradient depends on: tensor arguments, parameters and
+the workspace entries of its layers. Forward runs the block without keeping activations, in a
+frame of its own, and hands the entries it wrote to the enclosing call. Backward runs the block
+again as a later microbatch of the same step (as TE's te.checkpoint), over the forward's new
+entries, with the grad histories and random streams as the forward was given them, and
+differentiates it with torch.func.vjp. Outside torch.func it is torch.utils.checkpoint
+(use_reentrant=False); under torch.compile the block runs as is (docs/functional.md)."""
 from __future__ import annotations
 
 import functools

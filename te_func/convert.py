@@ -1,22 +1,11 @@
 """`tef.convert`: swap a model's torch layers for te_func's, in place, keeping every tensor.
 
-As torchao's `convert_to_float8_training`: each `torch.nn.Linear` becomes a
-`te_func.nn.Linear`, each transformers `Conv1D` (GPT-2's projections, weight
-stored (in, out)) a `te_func.nn.TransposedLinear`, each `torch.nn.LayerNorm`
-/ `torch.nn.RMSNorm` over one dim the te_func norm. The new layer holds the
-very Parameter objects of the old one, so values, dtype, device,
-requires_grad and tied weights (GPT-2's lm_head and embedding) are kept, and
-an optimizer made after conversion sees the same tensors. With recipe None a
-converted model computes what the original did, bit for bit.
-
-What te_func cannot run in FP8 is left as it is and reported through the
-`te_func.convert` logger (level INFO): GEMM dims that are not multiples of 16
-(TE refuses those too), parameters of other dtypes than float32 / bfloat16 /
-float16, subclasses of nn.Linear (which may rely on behaviour of their own),
-and the weights of 3-D and larger that a module multiplies by itself
-(transformers' mixture-of-experts layers keep every expert's weight in one such
-parameter): those GEMMs run in high precision.
-"""
+As torchao's `convert_to_float8_training`: nn.Linear, transformers' Conv1D (as TransposedLinear),
+nn.LayerNorm and nn.RMSNorm become te_func's, holding the very Parameter objects of the old
+layer (values, dtype, device, requires_grad and tied weights kept); with recipe None the model
+computes what it did, bit for bit. What te_func cannot run in FP8 (GEMM dims not multiples of
+16, other dtypes, nn.Linear subclasses, 3-D expert weights) is left as it is and reported
+through the `te_func.convert` logger."""
 from __future__ import annotations
 
 import logging

@@ -1,25 +1,9 @@
-"""The misuses te_func detects, one class each, with the offending thing as attributes.
+"""The misuses te_func detects, one class each, with the offending thing as attributes
+(`entry`, `layer`, `expected`, `got`, `recipe`, where the error has them).
 
-Every class subclasses the builtin exception te_func raised before it had these, so
-code that catches `KeyError` or `ValueError` keeps working; catch `te_func.Error` for
-all of them. Each message says what happened and what to do instead.
-
-    Error                          every te_func error
-      WorkspaceError               the workspaces do not fit the model being run
-        MissingEntryError          an entry the model needs is not there       (KeyError)
-        UnknownEntryError          entries that no layer of the model has      (KeyError)
-        EntryMismatchError         an entry of the wrong shape, dtype, device  (ValueError)
-        RecipeMismatchError        made for another recipe or format version   (ValueError)
-      TransformError               a transform or mode te_func cannot take     (RuntimeError)
-        DerivativeError            a derivative te_func's ops do not give      (NotImplementedError)
-      FrozenModelError             a frozen model (tef.freeze) used to train   (RuntimeError, ValueError)
-
-And one warning, `HighPrecisionWarning` (a UserWarning): te_func layers ran outside any
-frame, so in high precision, once per process.
-
-Attributes, where the error has them: `entry` (a workspace key), `layer` (the module's
-path, "" for the root), `expected` and `got`, `recipe`.
-"""
+Every class subclasses the builtin exception it replaces, so code that catches `KeyError` or
+`ValueError` keeps working; `te_func.Error` catches all of them. The table of classes and when
+each is raised is in docs/architecture.md."""
 from __future__ import annotations
 
 __all__ = ["Error", "WorkspaceError", "MissingEntryError", "UnknownEntryError", "EntryMismatchError",

@@ -1,17 +1,10 @@
 """`tef.freeze`: a te_func model for inference, holding its GEMM weights in FP8 only.
 
-`freeze(model, recipe)` returns a copy of `model` (the same class: a HuggingFace model
-keeps `generate`) in which each te_func GEMM layer is its frozen form
-(te_func.nn.frozen): the forward cast of each weight and its scales, the non-GEMM
-parameters, nothing else. The copy is made without the GEMM weights, and the casts are
-made layer by layer where the weights are, so only FP8 bytes reach `device`; a model on
-`meta` gives a skeleton on `meta` to load a frozen checkpoint into (`assign=True`).
-
-Which casts: those in `workspaces` when given (what `tef.functional_call(model, params,
-workspaces, ..., is_first_microbatch=False)` reads, so the frozen model computes what
-that call computes, bit for bit), else casts of the current weights. DelayedScaling's
-scales live in the workspaces, so that recipe needs them.
-"""
+The copy (of the same class: a HuggingFace model keeps `generate`) has each te_func GEMM layer in
+its frozen form (te_func.nn.frozen). It is made without the GEMM weights, casting layer by layer
+where the weights are, so only FP8 bytes reach `device`; on `meta` it is a skeleton to load a
+frozen checkpoint into. The casts are those in `workspaces` when given (so the frozen model
+computes what `is_first_microbatch=False` computes, bit for bit), else of the current weights."""
 from __future__ import annotations
 
 import copy

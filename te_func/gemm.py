@@ -1,9 +1,5 @@
 """FP8 and FP4 GEMM dispatch: `torch._scaled_mm` where the device has it, exact emulation elsewhere.
-
-Every GEMM here is `a @ b.T` with both operands quantized along K (their
-last dim), so a forward, an input-gradient and a weight-gradient GEMM all
-take the same form and the caller only picks which casts to pair.
-"""
+Every GEMM is `a @ b.T` with both operands quantized along K, so the caller only picks the casts."""
 from __future__ import annotations
 
 import torch

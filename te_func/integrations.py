@@ -1,18 +1,9 @@
-"""What libraries that take a torch model need to know about te_func's layers.
+"""What libraries that take a torch model need to know about te_func's layers (docs/integrations.md).
 
-peft attaches LoRA to the layer types it knows; te_func's Linear is not a `torch.nn.Linear`,
-so a LoraConfig learns it from `lora_config`. The adapters peft adds are plain torch layers
-(high precision); the base GEMM they sit beside stays te_func's (FP8 under the shell's recipe).
-
-opacus computes per-sample gradients with a function per layer type; `register_opacus` gives
-it te_func's: each sample's gradient from te_func's own FP8 path, the sample quantized on its
-own (no scale taken over the batch, which would make one sample's gradient depend on the others).
-
-HF Trainer saves a model it does not know as a bare state_dict; `TrainerMixin` has it save a
-`tef.Stateful` as `shell.save_pretrained` does, and load it back on resume.
-
-docs/integrations.md shows each library's calls.
-"""
+peft: te_func's Linear is not a `torch.nn.Linear`, so a LoraConfig learns it from `lora_config`;
+the adapters stay plain torch layers beside the FP8 base GEMM. opacus: `register_opacus` gives
+it te_func's per-sample gradient, each sample quantized on its own. HF Trainer: `TrainerMixin`
+saves a `tef.Stateful` as `shell.save_pretrained` does and loads it back on resume."""
 from __future__ import annotations
 
 import os

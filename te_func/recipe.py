@@ -1,13 +1,9 @@
 """Quantization recipes with TransformerEngine 2.20's names, fields and defaults.
 
-Every recipe is a frozen, hashable dataclass: torch.compile treats it as a
-constant, and a workspace remembers which recipe made it by value
-(`fingerprint`). Every TE field is accepted, with TE's default; where TE
-reads an `NVTE_*` environment variable for a default, so does te_func, when
-the recipe is made (TE reads it when it is imported). A field te_func cannot
-honour (FP8 attention without an attention layer, callables) is refused with
-an error naming it. docs/recipes.md has the table of every field.
-"""
+Every recipe is a frozen, hashable dataclass: a constant to torch.compile, and remembered by value
+by the workspaces it makes (`fingerprint`). Every TE field is accepted with TE's default (and
+its `NVTE_*` variable, read when the recipe is made); a field te_func cannot honour is refused
+by name. docs/recipes.md has the table of every field."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,48 +1,10 @@
-"""Per-sample gradients and ensembles: torch.func.vmap over te_func models, workspaces included.
+"""Per-sample gradients and ensembles: torch.func.vmap over te_func models, workspaces included
+(per_sample_grad, fold_workspaces, stack/unstack_workspaces, stack/unstack_module_state).
 
-    per_sample_grad(fn, in_dims=0, *, scope="sample", chunk_size=None, argnums=0, keepdim=False)
-    per_sample_value_and_grad(...)                       the same, with the per-sample losses
-    fold_workspaces(model, ws, recipe)                   per-sample workspaces -> the batch's
-    stack_workspaces(list) / unstack_workspaces(ws)      one workspace dict per ensemble member
-    stack_module_state(models, recipe) / unstack_module_state(params, buffers, ws)
-
-A per-sample vmap runs every sample alone on one shared state, so every
-workspace entry comes back once per sample. The entries that record amaxes
-(`Entry.records_amax`: DelayedScaling's histories) hold each sample's own
-amax; the max over the samples is the whole batch's, as one call on the batch
-records it. Every other entry (weight casts, scales) is computed from the
-shared parameters and state alone and is the same for every sample: it is
-returned once. So under DelayedScaling the folded workspaces are, bit for bit,
-what tef.grad on the whole batch leaves.
-
-Quantization scope: which tensor an FP8 scale is computed from.
-- "sample": vmap's own meaning, each sample quantized as if it were the batch:
-  under Float8CurrentScaling each sample's input and output gradient get the
-  scale of their own amax.
-- "batch": the scales of the whole batch, shared by every sample, then the
-  per-sample GEMMs. The per-sample gradients then add up to tef.grad of the
-  batch up to fp32 summation order. Per role and recipe:
-  * weight: shared by every sample in both scopes (one cast).
-  * Float8CurrentScaling, input and output gradient (tensor-wise): a pass over
-    the whole batch (forward and backward, as tef.grad runs it) records each
-    GEMM's input and output-gradient amax; the per-sample pass quantizes with
-    them (te_func.quant.BatchAmax). The output gradient's is TE's: the amax of
-    the batch's gradient at that GEMM, which is what every sample sees when the
-    batch's loss is the sum of the samples' losses (checked in eager mode).
-  * DelayedScaling: the scales come from the shared history, so both scopes
-    quantize every sample as the batch: no pass over the batch.
-  * MXFP8BlockScaling, Float8BlockScaling: a block's scale comes from its own
-    elements. Blocks along the features (the forward and input-gradient GEMMs'
-    operands) lie within one token: the same in both scopes. Blocks along the
-    tokens (the weight-gradient GEMM's operands; Float8BlockScaling's 2-D input
-    or gradient blocks) lie within one sample when its token count is a multiple
-    of the block (32, 128), and then the scopes agree exactly. Otherwise a block
-    of the batch holds two samples' tokens; te_func forms every block within one
-    sample in both scopes (TE's MXFP8 quantizer takes only token counts that are
-    multiples of 32: it would not quantize such a sample at all).
-A batch-scope sample's gradient depends on the other samples through the shared
-scales: for differential privacy, whose bound assumes it does not, use "sample".
-"""
+A per-sample vmap runs every sample alone on one shared state, so every entry comes back once per
+sample. The entries that record amaxes hold each sample's own, and their max over the samples is
+what one call on the batch records; every other entry is the same for every sample and is kept
+once. The quantization scopes ("sample", "batch") per role and recipe: docs/functional.md."""
 from __future__ import annotations
 
 from collections.abc import Sequence

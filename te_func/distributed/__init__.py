@@ -1,29 +1,9 @@
 """te_func on torch.distributed: FSDP2, FP8 all-gather, amax reduction, DTensor tensor parallelism.
 
-What it promises (docs/distributed.md has the how-to):
-
-- FSDP2 (`fully_shard`): te_func layers cast the whole (gathered) weight, as one
-  process would, once per step; the workspaces are plain tensors, the same on
-  every rank. Data-parallel training over N ranks computes what one process
-  computes with the N ranks' batches as N microbatches of a step.
-- FP8 all-gather (`enable_fsdp_float8_all_gather`, tensor-wise recipes): the
-  shards travel in FP8 with a scale common to all ranks; the gathered cast is
-  bit for bit the one a single process makes from the whole weight.
-- Amax reduction (DelayedScaling's `reduce_amax`, over the group chosen by
-  `amax_group=`): after every call and every backward all ranks hold the same
-  histories and scales.
-- Tensor parallelism (`ColwiseParallel`, `RowwiseParallel`, `LayerNormMLPParallel`
-  with `parallelize_module`): outputs equal a single process's up to fp32
-  rounding of the row-wise partial sums.
-- Checkpoints (`state_dict` / `load_state_dict` with torch.distributed.checkpoint):
-  parameters, optimizer state and workspaces; a resumed run is bit-identical; a
-  checkpoint saved on N ranks loads on M.
-
-Nothing below te_func.frame imports this package; the lower layers offer three
-documented hooks it uses: `TEModule.init_workspace(recipe, weights=)`, a
-weight that carries its cast (te_func.quant.workspace.CarriedCast), and the
-global value of a DTensor's amax (te_func.quant.tensor.record_amax).
-"""
+What each promises is in docs/distributed.md. Nothing below te_func.frame imports this package;
+it uses three hooks of the lower floors: `TEModule.init_workspace(recipe, weights=)`, a weight
+that carries its cast (te_func.quant.workspace.CarriedCast), and the global value of a DTensor's
+amax (te_func.quant.tensor.record_amax)."""
 from ._amax import amax_reduction_group
 from ._amax import reduce_amax_slots as reduce_amax_slots
 from ._checkpoint import load_state_dict, state_dict

@@ -1,14 +1,9 @@
 """DelayedScaling's amax reduction across ranks (TE's `reduce_amax`).
 
-With `DelayedScaling(reduce_amax=True)` every rank records the amaxes of its
-own data; before they can make a scale they are all-reduced by max over the
-amax group, so that every rank holds the same histories and scales. The
-reduction runs where TE runs it: after a forward (the input and weight
-roles) and after a backward (the gradient role), each time as one batched
-all-reduce of the current slot (slot 0) of every history. After every call
-and every backward the workspaces are therefore the same on all ranks, which
-is what makes a checkpoint of one rank's workspaces valid for all.
-"""
+Every rank records the amaxes of its own data; the current slot of every history is all-reduced
+by max over the amax group, as one batched all-reduce, where TE does it: after a forward (input
+and weight roles) and after a backward (the gradient role). So every rank holds the same
+workspaces, and one rank's checkpoint is valid for all."""
 from __future__ import annotations
 
 import torch

@@ -1,20 +1,9 @@
 """Distributed checkpoints (torch.distributed.checkpoint) of a `Stateful` and its optimizer.
 
-    sd = tef.distributed.state_dict(shell, optimizer)
-    torch.distributed.checkpoint.save(sd, checkpoint_id=path)
-    ...                                   # later, on as many ranks as wanted:
-    sd = tef.distributed.state_dict(shell, optimizer)      # the layout to load into
-    torch.distributed.checkpoint.load(sd, checkpoint_id=path)
-    tef.distributed.load_state_dict(shell, optimizer, sd)
-
-The parameters and the optimizer state come from torch's `get_state_dict`
-(keyed by parameter name; DTensor shards under FSDP, resharded on load). The
-workspace entries are plain tensors, the same on every rank (see
-te_func.distributed._amax), saved once. DelayedScaling without amax
-reduction is the exception: each rank's histories are its own, so they are
-saved per rank (stacked along a new leading dim, one row per rank) and load
-only on as many ranks as saved them.
-"""
+Parameters and optimizer state come from torch's `get_state_dict` (DTensor shards under FSDP,
+resharded on load); the workspace entries, the same on every rank, are saved once. DelayedScaling
+without amax reduction is the exception: each rank's histories are its own, saved per rank (one
+row per rank) and loaded only on as many ranks. docs/distributed.md shows the calls."""
 from __future__ import annotations
 
 import torch

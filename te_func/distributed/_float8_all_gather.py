@@ -1,35 +1,15 @@
 """FP8 all-gather under FSDP2: each rank casts its shard, the ranks gather FP8 bytes.
 
-`enable_fsdp_float8_all_gather(model, recipe)` (before `fully_shard`) makes
-each te_func GEMM weight a `Float8AllGatherWeight`: a parameter that behaves
-as its high-precision tensor everywhere (optimizer, checkpoints) and tells
-FSDP, through FSDP2's all-gather extension (`fsdp_pre_all_gather` /
-`fsdp_post_all_gather`, the mechanism torchao's float8 training uses), to
-gather it in FP8:
-
-    pre all-gather   every rank casts its local shard with a scale common to all ranks:
-                     Float8CurrentScaling: from the global amax (all-reduced by max);
-                     DelayedScaling: the step's scale, from the weight's amax history in
-                     the workspaces (the same on every rank); 1 byte per element goes out
-    post all-gather  the gathered bytes and that scale are the unsharded weight, a
-                     `Float8GatheredWeight`; the te_func layer takes its cast from it
-                     (the transposed copy is the transpose of the same bytes) instead of
-                     casting a high-precision weight.
-
-Since a tensor-wise cast is elementwise once its scale is fixed, the gathered
-cast is bit for bit what one process makes from the whole weight. Block
-recipes are not covered: MXFP8's weight needs two casts whose 32-blocks run
-along different dims (the columnwise one across FSDP's row shards), together
-as large as bf16; Float8BlockScaling's 128x128 blocks would need every shard
-boundary on a multiple of 128 rows.
-
-The weight amax a DelayedScaling step records is the global one (all-reduced
-here), so the weight histories stay the same on all ranks even with
-reduce_amax=False. Outside a te_func call (FSDP's re-gather for backward,
-whose values te_func's backward does not read) the shard is cast with the
-current-scaling rule. FP8-gathered weights cannot run in high precision or
-under another recipe: that raises an error instead of computing with them.
-"""
+`enable_fsdp_float8_all_gather(model, recipe)` (before `fully_shard`) makes each te_func GEMM
+weight a `Float8AllGatherWeight`: its high-precision tensor everywhere (optimizer, checkpoints),
+gathered in FP8 through FSDP2's all-gather extension (`fsdp_pre_all_gather` /
+`fsdp_post_all_gather`, as torchao's float8 training does). Before the gather each rank casts
+its shard with a scale common to all ranks (current scaling: of the all-reduced amax; delayed:
+the step's scale); after it, the bytes and scale are a `Float8GatheredWeight`, whose cast the
+layer takes. A tensor-wise cast is elementwise once its scale is fixed, so the gathered cast is
+bit for bit one process's. The weight amax a delayed step records is the global one, so weight
+histories agree on all ranks. Outside a te_func call (FSDP's re-gather for backward) the shard
+is cast by the current-scaling rule; high precision or another recipe raises an error."""
 from __future__ import annotations
 
 import collections

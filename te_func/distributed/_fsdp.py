@@ -1,28 +1,15 @@
-"""FSDP2 (`torch.distributed.fsdp.fully_shard`): which weight a te_func layer casts.
+"""FSDP2 (`fully_shard`): which weight a te_func layer casts. It casts the whole weight, as one
+process would, once per step (1-D meshes, Shard(0) only):
 
-After `fully_shard`, a model's parameters are DTensor shards (Shard(0) on the
-data-parallel mesh). A te_func layer must cast the whole weight, as one
-process would, once per step; how it gets it depends on what the frame runs:
-
-- Module path (`Stateful`, or `functional_call` given the model's own
-  parameters): FSDP's hooks all-gather each unit before its forward and set
-  the unsharded plain tensors on the modules. te_func casts those and returns
-  the weight gradient to them; FSDP reduce-scatters it.
-- Functional path (`functional_call` given other tensors for the sharded
-  parameters, such as detached or updated DTensor shards): FSDP's hooks would
-  gather the module's own parameters and ignore the given ones, and torch.func
-  transforms cannot run through them. te_func then suspends FSDP's forward
-  hooks for the call and gathers each given shard itself, with an all-gather
-  whose backward reduce-scatters the gradient, averaged over the ranks as FSDP
-  averages it. `tef.grad` / `tef.value_and_grad` gather the shards before
-  differentiating and reduce-scatter the gradients after (torch.func traces
-  neither DTensors nor the collectives' autograd), so the gradients come back
-  as DTensor shards laid out like the parameters.
-- `init_workspaces`: the casts are made from the gathered weights (plain
-  tensors, the same on every rank), one weight at a time.
-
-Only 1-D FSDP meshes with the default Shard(0) placement are handled here.
-"""
+- Module path (`Stateful`, or `functional_call` given the model's own parameters): FSDP's hooks
+  gather each unit before its forward; te_func casts the unsharded tensors and FSDP
+  reduce-scatters the weight gradient.
+- Functional path (`functional_call` given other tensors for the sharded parameters): FSDP's
+  hooks would ignore them, and torch.func cannot run through them, so te_func suspends them and
+  gathers each given shard with an all-gather whose backward reduce-scatters (averaged, as FSDP
+  does). `tef.grad` gathers before differentiating and reduce-scatters after, so the gradients
+  come back as DTensor shards laid out like the parameters.
+- `init_workspaces`: the casts are made from the gathered weights, one weight at a time."""
 from __future__ import annotations
 
 import contextlib

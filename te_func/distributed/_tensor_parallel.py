@@ -1,27 +1,11 @@
 """Tensor parallelism with DTensor: te_func layers under `parallelize_module`.
 
-torch's ColwiseParallel and RowwiseParallel shard only nn.Linear and
-nn.Embedding. The styles here shard te_func's layers the same way and fall
-back to torch's for those two, so one plan can mix them:
-
-    ColwiseParallel        Linear, LayerNormLinear: weight and bias Shard(0) (out_features);
-                           the norm's parameters replicated
-    RowwiseParallel        Linear: weight Shard(1) (in_features), bias replicated
-    LayerNormMLPParallel   LayerNormMLP: fc1 column-wise, fc2 row-wise (Megatron's MLP)
-
-The layer then computes on DTensors: every quantized tensor's amax is a
-reduction over its shards, so a tensor-wise scale is the one a single process
-computes from the whole tensor (the histories of DelayedScaling hold those
-global amaxes, the same on every rank), and the GEMMs run on the local shards
-with DTensor's collectives around them. Outputs equal a single process's up
-to the order of the row-wise partial sums (fp32 rounding). With sequence
-parallelism (input_layouts=Shard(sequence dim)) the input is all-gathered
-before the layer, so the norm sees whole sequences (TE normalizes the shard
-and gathers its output: the same values).
-
-Block-scaled recipes (MXFP8BlockScaling, Float8BlockScaling) are refused on
-sharded weights: their blocks would have to follow the shard boundaries.
-"""
+torch's ColwiseParallel and RowwiseParallel shard only nn.Linear and nn.Embedding; the styles
+here shard te_func's layers the same way (and fall back to torch's for those two): Colwise
+(Linear, LayerNormLinear: Shard(0)), Rowwise (Linear: Shard(1)) and LayerNormMLPParallel
+(Megatron's MLP). Every quantized tensor's amax is then a reduction over its shards, so a scale
+is the one a single process computes; outputs equal a single process's up to fp32 rounding of
+the row-wise partial sums. Block recipes are refused on sharded weights (docs/distributed.md)."""
 from __future__ import annotations
 
 from functools import partial

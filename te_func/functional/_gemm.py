@@ -1,17 +1,10 @@
 """One GEMM of a layer for one call: from its workspace entries to its slot's tensors and back.
 
-Every GEMM layer's function does, per GEMM: read the GEMM's workspace
-through the recipe's lowering (te_func.quant.lowering), start a step when the
-call starts one, cast the weight (or take the cached cast), hand the slot its
-tensors, and turn the slot's outputs into the entries the call leaves.
-
-NVFP4's stochastic rounding happens in backward, but its RNG state moves in
-forward: a call of a training step (a frame opened with grad enabled) hands
-its backward the current state and leaves the next one in its entries. So every backward (each
-microbatch's, each use of a shared layer) draws its own numbers, and the new
-state comes back with the forward's workspaces, in tef.grad, Stateful and
-compiled code alike, with nothing to return from backward.
-"""
+Per GEMM: read the workspace through the recipe's lowering, start a step where the call starts
+one, cast the weight (or take the cached cast), hand the slot its tensors, and turn the slot's
+outputs into the entries the call leaves. NVFP4's RNG state moves in forward: a training call
+hands its backward the current state and leaves the next one, so every backward draws its own
+numbers and nothing comes back from backward."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,15 +1,7 @@
 """Fused Triton kernels for the eager CUDA path (optional: Triton is imported lazily).
 
-`te_func.quant` calls `tensorwise_cast` first for every tensor-wise FP8 cast and
-`delayed_update` / `delayed_record` for DelayedScaling's state, te_func.ops
-`activation` for LayerNormMLP's GELU and `norm_forward` / `norm_backward` for the
-norms, te_func.gemm `weight_only_mm` for weight-only FP8's GEMM (compiled calls
-too), and under torch.compile `partial_rows` / `gelu_partials` / `cast_from_partials` for
-current scaling's cast of a small tensor; all keep their torch code where these return None:
-the casts, the state and the GELU give the same bits, the norms the same to fp32
-rounding (their row sums' order), the weight-only GEMM the same up to the order of
-its fp32 sums.
-"""
+Callers (te_func.quant, te_func.ops, te_func.gemm) try these first and keep their torch code
+where they return None; `dispatch` says when they run and how close their results are."""
 import torch
 
 from . import dispatch

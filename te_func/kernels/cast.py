@@ -1,19 +1,9 @@
-"""Triton kernels of the tensor-wise FP8 cast: amax in one pass, then one pass that
-writes the cast and, optionally, its transpose.
+"""Triton kernels of the tensor-wise FP8 cast: amax in one pass, then one pass that writes the
+cast and, optionally, its transpose. And the GELU (tanh) or its input gradient with the amax and
+column sums (fc1's bias gradient) in the same pass, as TE's fused activation kernels do.
 
-And the GELU (tanh) or its input gradient with the amax and the column sums
-(fc1's bias gradient) of the result in the same pass, so that LayerNormMLP's
-activation output and fc1's output gradient take two passes to their FP8
-casts, as TE's fused activation kernels do: one computing the activation (whose
-tanh sets the pace), one casting it.
-
-Imported only by te_func.kernels.dispatch, and only once Triton is known to import.
-Every formula mirrors te_func.quant (scheme.scale_from_amax, tensor._cast) and
-te_func.ops.activations (the GELU's formulas) bit for bit; that torch code is the
-reference the tests compare against.
-
-Indices are int32: callers keep numel below 2**31 - 2**24.
-"""
+Every formula mirrors te_func.quant and te_func.ops.activations bit for bit; that torch code is
+the tests' reference. Indices are int32: callers keep numel below 2**31 - 2**24."""
 from __future__ import annotations
 
 import os

@@ -1,15 +1,9 @@
 """Triton kernels of DelayedScaling's bookkeeping for the eager CUDA path: one launch each.
 
-`update` is te_func.quant.delayed.delayed_update (the new scale from the amax history,
-the history rolled) and `record` is te_func.quant.tensor.record_amax (a cast's amax
-kept in the current slot by max). Their torch code is twenty-odd and five tiny ops per
-role; a step of LayerNormMLP runs six roles, and eagerly each op costs the host more
-than the GPU (an eager DelayedScaling step was host-bound on an H200). The values are
-the torch code's bit for bit: maxima and selections are exact, and the one division
-rounds to nearest (`div_rn`), as torch's does.
-
-Imported only by te_func.kernels.dispatch, once Triton is known to import.
-"""
+`update` is te_func.quant.delayed.delayed_update and `record` is te_func.quant.tensor.record_amax,
+whose torch code is twenty-odd and five tiny ops per role (host-bound eagerly). The values are
+the torch code's bit for bit: maxima and selections are exact, the one division rounds to
+nearest (`div_rn`), as torch's does."""
 from __future__ import annotations
 
 import torch

@@ -1,16 +1,12 @@
 """When the fused Triton kernels run instead of te_func's torch code.
 
-Eagerly, on CUDA, on plain tensors: the casts (`tensorwise_cast`), the GELU with its amax
-(`activation`), the norms, DelayedScaling's bookkeeping (`delayed_update`, `delayed_record`).
-Everywhere else the torch path runs: on CPU; under torch.compile (inductor fuses it itself,
-which measured faster than calling these kernels from the graph: docs/benchmarks.md); under
-torch.func.vmap (one amax per sample); for other dtypes, empty or non-contiguous tensors.
-Results are bit-identical either way, except the norms', whose row sums add in another order.
-
-Under torch.compile three run as ops of the graph: `gelu_partials` and `cast_from_partials`
-(current scaling's cast of a small tensor, or of a GELU's output, from partial maxes taken on
-the way; `partial_rows` says where) and `weight_only_mm` (te_func.gemm.weight_only_gemm).
-"""
+Eagerly, on CUDA, on plain tensors: the casts, the GELU with its amax, the norms, DelayedScaling's
+bookkeeping. Everywhere else the torch path runs: on CPU, under torch.compile (inductor fuses it
+faster: docs/benchmarks.md), under vmap, for other dtypes, empty or non-contiguous tensors.
+Results are bit-identical either way, except the norms' (row sums in another order) and
+weight-only FP8's GEMM (fp32 sums in another order). Under torch.compile three run as graph ops:
+`gelu_partials`, `cast_from_partials` (current scaling's cast from partial maxes; `partial_rows`
+says where) and `weight_only_mm`."""
 from __future__ import annotations
 
 import functools

@@ -1,21 +1,11 @@
 """Triton kernels of LayerNorm / RMSNorm for the eager CUDA path: one pass forward, one back.
 
-The forward reads x once and writes the normalized output in x's dtype, mean and
-rsigma, and takes the output's amax on the way (so the FP8 cast of fc1's input
-needs no amax pass); the backward reads dy and x once and writes dx and per-program
-partial sums of dweight and dbias. Eagerly, te_func.ops.normalization's formulas are
-ten-odd fp32 passes over (tokens, hidden); these are TE's two.
-
-The elementwise math is the formulas' (te_func.ops.normalization), op for op in fp32,
-launched without FMA contraction. The row reductions (mean, variance, the two dot
-products of the backward) and dweight / dbias's sums over tokens add in the kernels'
-order, which is not torch's: they agree with the torch path to fp32 rounding, not bit
-for bit (tests/kernels/test_kernels.py bounds the difference). torch's own reductions differ
-between eager, inductor and the CPU in the same way.
-
-Imported only by te_func.kernels.dispatch, once Triton is known to import. Rows fit one
-block: hidden <= MAX_HIDDEN.
-"""
+The forward writes the output, mean and rsigma and takes the output's amax on the way; the
+backward reads dy and x once and writes dx and per-program partial sums of dweight and dbias
+(te_func.ops.normalization's formulas are ten-odd fp32 passes eagerly; these are TE's two).
+The elementwise math is the formulas', op for op in fp32 without FMA contraction; the row
+reductions add in the kernels' order, so they agree with the torch path to fp32 rounding
+(tests/kernels/test_kernels.py bounds it). Rows fit one block: hidden <= MAX_HIDDEN."""
 from __future__ import annotations
 
 import functools

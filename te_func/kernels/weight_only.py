@@ -1,23 +1,11 @@
 """Triton kernel of weight-only FP8: out (M, N) = (x (M, K) @ w (N, K).T) * scale_inv + bias.
 
-w is a tensor-wise FP8 cast (E4M3 or E5M2) with its fp32 `scale_inv` (); x is bf16 or
-fp16, not quantized. At a few tokens (a decode step) the GEMM is bound by reading its
-weight: the kernel reads the FP8 bytes once and widens them to x's dtype in registers
-(exact: every E4M3 and E5M2 value is a bf16 and an fp16 value), multiplies in fp32 on the
-tensor cores, applies the scale to the fp32 sum and adds the bias (N,) (x's dtype) before the
-one rounding to x's dtype, as te_func.gemm's epilogue does. A dequantize followed by a bf16 GEMM
-writes and reads the weight in bf16 again, four times the FP8 bytes.
-
-The weight is the MMA's left operand (out.T = w @ x.T): its rows fill the tensor cores'
-64-row tiles, where a few tokens would leave them mostly empty. Where the weight has too
-few row tiles to keep every SM reading, K is split in `split` contiguous ranges whose fp32
-sums a second kernel adds in order; the split depends on the shape only, so a given shape
-always sums in the same order.
-
-Imported only by te_func.kernels.dispatch, once Triton is known to import. The torch
-reference is te_func.gemm's `_weight_only_reference` (the same function up to the order
-of the fp32 sums). Indices are int32: callers keep each operand below 2**31 elements.
-"""
+w is a tensor-wise FP8 cast, x bf16 or fp16. At a few tokens the GEMM is bound by reading its
+weight: the kernel reads the FP8 bytes once and widens them in registers (exact), multiplies in
+fp32, and applies scale and bias before the one rounding, as te_func.gemm's epilogue does. The
+weight is the MMA's left operand (out.T = w @ x.T), so its rows fill the 64-row tiles; with too
+few row tiles, K is split in ranges (by shape only: a shape always sums in the same order).
+The torch reference is te_func.gemm's `_weight_only_reference`. Indices are int32."""
 from __future__ import annotations
 
 import functools

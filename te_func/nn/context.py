@@ -1,11 +1,8 @@
 """The call context a te_func module reads when it runs: recipe and workspace entries.
 
-`te_func.frame` pushes a `Frame` around a model call; each te_func module
-finds its own entries by its path in the model. Frames live on a per-thread
-stack (two threads may run one model at once, each in its own frame); this
-is the only global state in te_func, it is only read below the frame, and
-modules never keep what they read, so a model stays a plain parameter holder.
-"""
+`te_func.frame` pushes a `Frame` around a model call on a per-thread stack; each module finds its
+own entries by its path. This is te_func's only global state, read only below the frame, and
+modules never keep what they read."""
 from __future__ import annotations
 
 import contextlib

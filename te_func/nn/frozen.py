@@ -1,23 +1,11 @@
 """Frozen GEMM layers: a te_func GEMM layer as inference keeps it (built by `tef.freeze`).
 
-A frozen layer holds, for each of its GEMMs, only what the forward GEMM reads:
-
-    {weight}_cast.data        (out, in) FP8    the weight's cast in the forward layout
-    {weight}_cast.scale_inv   () or blocks     its decode factors
-    {prefix}input_scale       () float32       DelayedScaling only: the scale the GEMM's input
-                                               is quantized with (fixed: inference updates nothing)
-                                               (and its reciprocal, a buffer outside the state_dict)
-
-named as the workspace entries they come from, plus the layer's other parameters under
-TE's names (biases, norm weights; requires_grad False) and `te_func_recipe`, the
-fingerprint of the recipe the casts were made for, as every workspace dict has. No
-high-precision GEMM weight, no transposed cast, no amax history.
-
-Forward runs the training layer's own forward math (te_func.ops, through `call_forward`:
-the same casts, GEMMs, norm and activation, without an autograd node), so a frozen layer
-computes what the trained layer computes with its cached casts. It is inference-only: an
-input that requires grad is refused.
-"""
+For each GEMM it holds only what the forward GEMM reads, named as the workspace entries they
+come from: the weight's cast in the forward layout and its decode factors, and under
+DelayedScaling the input's fixed scale; plus the layer's other parameters (requires_grad False)
+and the recipe's fingerprint. Forward is the training layer's own math (te_func.ops through
+`call_forward`, without an autograd node), so it computes what the trained layer computes with
+its cached casts. docs/inference.md has the entries."""
 from __future__ import annotations
 
 import typing

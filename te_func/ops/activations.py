@@ -1,17 +1,10 @@
 """TE's MLP activations, forward and backward, as plain tensor functions.
 
-Gated ones (geglu, glu, qgeglu, reglu, sreglu, swiglu, clamped_swiglu) take
-fc1's output of width 2 * ffn and compute act(first half) * gate(second half),
-gate the identity but for clamped_swiglu. (torch's F.glu is the other way
-round, first half * sigmoid(second half): TE's glu is not torch's.) As in TE
-the math runs in fp32 (float64 stays float64); the result is in the input's
-dtype. The derivatives are written out so that LayerNormMLP's backward needs
-only fc1's output, which it keeps.
-
-`Activation` is an activation with its `activation_params` (TE's LayerNormMLP
-argument: only clamped_swiglu takes any, `limit`, `alpha` and
-`glu_linear_offset`), frozen so that an op holding it stays hashable.
-"""
+Gated ones take fc1's output of width 2 * ffn and compute act(first half) * gate(second half),
+the gate the identity but for clamped_swiglu (TE's glu is not torch's F.glu, which is the other
+way round). The math runs in fp32 (float64 stays); derivatives are written out so that
+backward needs only fc1's output. `Activation` holds TE's `activation_params`, frozen so that
+an op holding it stays hashable."""
 from __future__ import annotations
 
 import math

@@ -1,31 +1,18 @@
 """The one autograd boundary every te_func op goes through: tensors in and out by name.
 
-An op is a frozen dataclass holding its static configuration (a constant for
-torch.compile) and its math:
+An op is a frozen dataclass holding its static configuration (a constant for torch.compile):
 
     outputs         every tensor `forward` returns, by name
-    differentiable  those of them that receive gradients (an unused one gets None, but for
-                    the first, which gets zeros); the others (new
-                    state, what backward reads) are non-differentiable
-    carried         output name -> input name: state whose new value is known only
-                    in backward, where it comes back as that input's gradient
-                    ("overwrite with gradient"); `on_backward` hooks onto it
+    differentiable  those that receive gradients (an unused one gets None, but the first zeros)
+    carried         output name -> input name: state whose new value is known only in backward,
+                    where it comes back as that input's gradient; `on_backward` hooks onto it
     saved           the inputs and outputs `backward` reads, by name
-    forward(t)                  t: input name -> tensor, None or a size (an int, symbolic under
-                                torch.compile); returns output name -> tensor or None
-    backward(saved, grads, ctx) saved: the `saved` tensors and every size input, by name;
-                                returns input name -> gradient (names left out get None)
+    forward(t)                  input name -> tensor, None or a size; returns name -> tensor
+    backward(saved, grads, ctx) returns input name -> gradient (names left out get None)
 
-`call(op, **tensors)` runs it and returns its outputs by name. Why one
-Function class for all ops, called like this:
-- torch.func.grad and vmap accept a custom Function only in the
-  `forward` + `setup_context` form (with a vmap rule);
-- `torch.compile(torch.func.grad(f))` inlines a Function and silently
-  differentiates its forward instead of calling its backward (torch 2.13), unless the
-  Function is called through `torch._dynamo.allow_in_graph`, which keeps it opaque;
-- a Function takes tensors positionally; the names travel beside them as a
-  static tuple, so no op needs index constants.
-"""
+One Function class, called by name: torch.func takes a Function only in the setup_context form;
+`torch.compile(torch.func.grad(f))` would differentiate an inlined Function's forward (torch
+2.13) unless it is called through `allow_in_graph`; and the names travel as a static tuple."""
 from __future__ import annotations
 
 import contextlib

@@ -1,34 +1,22 @@
 """The FP8 (or FP4) GEMM every GEMM layer's op is built from: `GemmSlot`.
 
-A slot is one GEMM's part of an op (te_func.ops.boundary): the tensors it
-reads and returns, by name under its GEMM's prefix (`Gemm.slot`), and its two halves. Forward
-quantizes the GEMM input once (both copies when backward needs the weight
-gradient) and runs the forward GEMM; backward quantizes the output gradient
-once and runs the input- and weight-gradient GEMMs. Linear, LayerNormLinear,
-LayerNormMLP and GroupedLinear differ only in what they do around their slots.
+A slot is one GEMM's part of an op: the tensors it reads and returns, by name under its GEMM's
+prefix (`Gemm.slot`), and its two halves. Forward quantizes the input once (both copies when
+backward needs the weight gradient) and runs the forward GEMM; backward quantizes the output
+gradient once and runs the two backward GEMMs. The layers differ only around their slots.
 
 Tensors of a slot with prefix p (None where the recipe keeps no such state):
-    inputs   p+w, p+w_scale_inv          the weight's cast (out, in)
-             p+w_t, p+w_t_scale_inv      the cast of weight.T (in, out), for the input gradient
-             p+w_amax                    NVFP4: the weight's global amax (both layouts)
-             p+x_record, p+x_scale       the GEMM input's state for this call: DelayedScaling's
-                                         amax history and scale, or in batch scope the batch's
-                                         amax (te_func.quant.BatchAmax; no scale)
-             p+g_record, p+g_scale       ... and the output gradient's
-             p+g_sink                    the tensor whose "gradient" carries the backward amax
-                                         (see `backward_amax`): the grad record's workspace entry
-             p+g_rng                     NVFP4's stochastic rounding: the RNG state this call's
-                                         backward rounds the output gradient with (the caller
-                                         keeps the next one: te_func.functional._gemm)
-    outputs  p+new_x_record              the input record with this call's amax recorded
-             p+new_g_record              the grad record as this call leaves it: carried state,
-                                         whose backward-time value is g_sink's gradient
-             p+x_saved, p+x_saved_scale_inv, p+x_saved_amax   what the weight-gradient GEMM reads
-                                         of the input: the cast of x.T (blocks along tokens;
-                                         NVFP4: of its Hadamard transform, and its global amax);
-                                         with the recipe's backward_override, the cast of x
-                                         ("dequantized") or x itself ("high_precision", no scale)
-"""
+    inputs   p+w, p+w_scale_inv, p+w_t, p+w_t_scale_inv   the weight's cast, both layouts
+             p+w_amax                    NVFP4: the weight's global amax
+             p+x_record, p+x_scale       the input's DelayedScaling history and scale (batch
+                                         scope: the batch's amax, no scale)
+             p+g_record, p+g_scale       ... the output gradient's
+             p+g_sink                    the entry whose "gradient" carries the backward amax
+             p+g_rng                     NVFP4: the RNG state the backward rounds with
+    outputs  p+new_x_record              the input record with this call's amax
+             p+new_g_record              carried state: its backward-time value is g_sink's gradient
+             p+x_saved, p+x_saved_scale_inv, p+x_saved_amax   what the weight-gradient GEMM
+                                         reads of the input (per the recipe's backward_override)"""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

@@ -1,12 +1,8 @@
-"""GroupedLinear's op: one FP8 GEMM per group of tokens.
+"""GroupedLinear's op: one FP8 GEMM per group of tokens (group i through slot i).
 
-Group i (rows m_splits[:i].sum() onward, m_splits[i] of them) uses weight i
-through slot i. Each group's input is quantized on its own, as TE does (one
-quantizer per GEMM), so the result equals a loop of Linear layers bit for
-bit; each is saved for backward only as its FP8 cast along tokens. Under
-DelayedScaling each GEMM likewise has its own input and grad states, as TE
-keeps one FP8 meta slot per GEMM and role; an empty group records an amax of 0.
-"""
+Each group's input is quantized on its own, as TE does (one quantizer per GEMM), so the result
+equals a loop of Linear layers bit for bit; each has its own DelayedScaling states, and an empty
+group records an amax of 0."""
 from __future__ import annotations
 
 from dataclasses import dataclass

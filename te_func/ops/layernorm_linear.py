@@ -1,11 +1,7 @@
 """LayerNormLinear's op: norm, then an FP8 GEMM.
 
-The normalized output is quantized once (both copies) and kept for backward
-only as its FP8 cast along tokens, which the weight-gradient GEMM reads. The
-norm backward reads the input, mean and rsigma, as in TE. Under
-DelayedScaling the GEMM's input is the normalized output, so the input
-role's amax is that of ln_out.
-"""
+The normalized output is quantized once (both copies) and kept for backward only as its cast
+along tokens; the norm backward reads the input, mean and rsigma, as in TE."""
 from __future__ import annotations
 
 from dataclasses import dataclass

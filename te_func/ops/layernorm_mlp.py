@@ -1,20 +1,10 @@
 """LayerNormMLP's op: norm -> fc1 -> activation -> fc2, every GEMM in FP8.
 
-What backward keeps, as TE: the input, mean and rsigma (norm backward), the
-normalized output's FP8 cast along tokens (fc1 weight gradient), fc1's
-output in high precision (activation backward) and the activation output's
-FP8 cast along tokens (fc2 weight gradient). Where the GELU kernel adds fc1's
-bias on the way (eagerly on a GPU), fc1's output is kept without it and the
-backward kernel adds it again. Each GEMM input is quantized
-once; all four backward GEMMs run in FP8. On a GPU the activation and its
-gradient are fused kernels that take their amaxes (and fc1's bias gradient) on
-the way, so their casts need no amax pass (te_func.ops.activations).
-
-Under DelayedScaling each GEMM has its own states: fc1's input is the
-normalized output and its grad the gradient of fc1's output (after the
-activation backward); fc2's input is the activation output and its grad the
-gradient of the layer's output.
-"""
+Backward keeps, as TE: the input, mean and rsigma; the normalized output's FP8 cast along tokens;
+fc1's output in high precision (without its bias where the GELU kernel adds it on the way); and
+the activation output's FP8 cast along tokens. Each GEMM input is quantized once. Under
+DelayedScaling fc1's input is the normalized output and its grad the gradient of fc1's output;
+fc2's input is the activation output and its grad the layer's output gradient."""
 from __future__ import annotations
 
 from dataclasses import dataclass

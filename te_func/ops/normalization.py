@@ -1,17 +1,10 @@
 """LayerNorm and RMSNorm: the one implementation of the norm math.
 
-`norm_forward` / `norm_backward` are plain tensor functions: the fused
-LayerNormLinear and LayerNormMLP ops call them inside their own autograd
-Functions (the forward through `norm_output`). As in TE, the math runs in fp32
-(float64 stays float64) whatever the input dtype, and backward reads what a
-norm backward needs: the input, mean and rsigma. Eagerly on a GPU both run as
-one Triton pass each (te_func.kernels), the forward taking its output's amax on
-the way; those sum the rows in their own order, so they agree with the torch
-code to fp32 rounding rather than bit for bit. `norm_reference` is the same
-function composed of plain torch ops (F.layer_norm / F.rms_norm), which
-autograd differentiates: the standalone LayerNorm / RMSNorm and every
-high-precision (recipe None) path.
-"""
+`norm_forward` / `norm_backward` are plain tensor functions the fused ops call inside their own
+Functions. As in TE the math runs in fp32 (float64 stays) and backward reads the input, mean and
+rsigma. Eagerly on a GPU each is one Triton pass (te_func.kernels), equal to fp32 rounding.
+`norm_reference` is the same function in plain torch ops, which autograd differentiates: the
+standalone norms and every high-precision path."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,21 +1,13 @@
 """Delayed scaling: the scale of a step comes from the amaxes of earlier steps.
 
-A role's state is a `DelayedState`: an amax history, whose slot 0 collects
-the current step's amax (`quantize` records it there, by max), and the scale
-the current step quantizes with. At the start of a step `delayed_update`
-turns the history into the new scale and rolls the history (TransformerEngine's
-`amax_and_scale_update`):
+A role's `DelayedState` holds an amax history, whose slot 0 collects the current step's amax
+(by max), and the scale the step quantizes with. At a step's start `delayed_update` turns the
+history into the new scale and rolls it (TE's `amax_and_scale_update`):
 
-    amax  = max(history)            ("max", NaN skipped)   or history[0] ("most_recent")
-    scale = (fp8_max * 2**-margin) / amax       in fp32
-    scale = old scale                           where amax is 0, inf or NaN
-    scale = largest finite fp32                 where the quotient overflows
-    history <- [0, history[2], ..., history[L-1], history[0]]   (roll by -1, zero slot 0)
-    and nothing changes at all when history[0] is 0: TE skips a step that saw no amax.
-
-so the history always holds the last L recorded amaxes, the newest in slot 0
-until the next roll.
-"""
+    amax  = max(history) (NaN skipped), or history[0] ("most_recent")
+    scale = (fp8_max * 2**-margin) / amax in fp32; the old scale where amax is 0, inf or NaN;
+            the largest finite fp32 where the quotient overflows
+    history <- roll by -1 with slot 0 zeroed; nothing changes when history[0] is 0"""
 from __future__ import annotations
 
 import torch

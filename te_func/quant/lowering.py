@@ -1,19 +1,13 @@
 """A recipe lowered once into what each of its GEMMs keeps and does: `lower(recipe)`.
 
-The recipe dataclasses (te_func.recipe) say what a user asked for; a `Lowering`
-says what that means for one GEMM's workspace (te_func.quant.workspace): which
-entries it keeps, how they read into typed state and write back, their initial
-values, and how a step starts. Every caller above holds a Lowering and never asks
-which recipe it came from; adding a recipe is one `scheme_for` case and, where it
-keeps state of a new kind, one subclass here.
+A `Lowering` says what a recipe means for one GEMM's workspace: which entries it keeps, how they
+read into typed state and write back, their initial values, and how a step starts. Callers hold
+a Lowering and never ask which recipe it came from.
 
-    Lowering         recipe None: high precision, nothing kept
-    Stateless        Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling,
-                     NVFP4BlockScaling: the weight cast; NVFP4's random stream; in
+    Lowering         recipe None: nothing kept
+    Stateless        current and block recipes: the weight cast; NVFP4's random stream; in
                      batch scope, the batch's amaxes of tensor-wise current scales
-    Delayed          DelayedScaling: the weight cast and, per role, an amax history
-                     and a scale, which a step's start updates
-"""
+    Delayed          DelayedScaling: the cast and, per role, an amax history and a scale"""
 from __future__ import annotations
 
 import torch

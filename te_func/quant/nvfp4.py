@@ -1,20 +1,14 @@
 """NVFP4's format math: E2M1 codes, the two-level scales, stochastic rounding, the Hadamard transform.
 
-NVFP4 (TransformerEngine's NVFP4BlockScaling) stores x as
-
-    x ~= e2m1 * block_scale * global_amax / (6 * 448)
+NVFP4 (TE's NVFP4BlockScaling) stores x ~= e2m1 * block_scale * global_amax / (6 * 448):
 
 e2m1:        4-bit codes, sign bit 0x8 and magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6},
-             packed two per byte (element 2j in the low nibble, 2j+1 in the high one)
+             two a byte (element 2j in the low nibble)
 block_scale: one E4M3 value per 1x16 block along the reduction dim (16x16 for weights)
-global_amax: one fp32 number per tensor, its amax; the per-tensor encode scale is
-             S_enc = 6 * 448 / global_amax, so the largest block scale lands near 448
+global_amax: the tensor's amax; S_enc = 6 * 448 / global_amax puts the largest block scale near 448
 
-The arithmetic below follows TE's CUDA kernels step by step (cast/nvfp4/core_nvfp4.cuh,
-quantize_transpose_nvfp4.cuh, dequantize_nvfp4.cuh), each fp32 operation rounded where
-TE rounds it. Everything here is plain torch on tensors (integer ops for the random
-bits), so it runs on every device, under vmap and under torch.compile with any backend.
-"""
+The arithmetic follows TE's CUDA kernels (cast/nvfp4/*.cuh) step by step, each fp32 operation
+rounded where TE rounds it, in plain torch: every device, vmap and torch.compile."""
 from __future__ import annotations
 
 import hashlib

@@ -20,17 +20,12 @@ __all__ = ["Quantized", "DelayedState", "BatchAmax", "quantize", "quantize_with_
 class Quantized:
     """A low-precision tensor and the factors that decode it: x ~= data * scale_inv (per block).
 
-    data:        FP8, the source's shape; block layouts need 2-D (rows, cols), blocks
-                 run along the last dim (the GEMM's reduction dim). NVFP4: uint8
-                 (rows, ceil(cols / 2)), two E2M1 codes a byte (te_func.quant.nvfp4).
-    scale_inv:   float32 `()` for one scale per tensor, else one per block,
-                 `(ceil(rows / block[0]), ceil(cols / block[1]))` (MXFP8: E8M0 bytes as
-                 uint8, te_func.quant.e8m0_to_float; NVFP4: float8_e4m3fn).
+    data:        FP8 of the source's shape (blocks: 2-D, along the last dim); NVFP4: uint8
+                 (rows, ceil(cols / 2)), two E2M1 codes a byte.
+    scale_inv:   float32 `()`, or one per block (MXFP8: E8M0 bytes as uint8; NVFP4: E4M3).
     block:       None (per tensor) or the block's (rows, cols).
-    global_amax: NVFP4 only: float32 `()`, the tensor's amax, which sets its per-tensor
-                 scale: x ~= e2m1(data) * scale_inv * global_amax / (6 * 448).
-    columns:     NVFP4 only: the number of columns `data` packs (None: 2 * its bytes per
-                 row; the GEMMs read zero-padded rows either way).
+    global_amax: NVFP4 only: the tensor's amax, x ~= e2m1(data) * scale_inv * global_amax / (6 * 448).
+    columns:     NVFP4 only: the columns `data` packs (None: 2 * its bytes per row).
     """
     data: torch.Tensor
     scale_inv: torch.Tensor
@@ -72,11 +67,8 @@ pytree.register_pytree_node(Quantized, _flatten, _unflatten, serialized_type_nam
 
 
 class DelayedState(NamedTuple):
-    """Delayed-scaling state of one tensor role: its amax history and current scale.
-
-    A history of None is a forward-only state (a frozen model, te_func.freeze): TE's
-    DelayedScaling at inference quantizes with the scale it has and updates nothing,
-    so nothing is recorded."""
+    """Delayed-scaling state of one tensor role: its amax history and current scale. A history
+    of None is forward-only (te_func.freeze): the scale is used and nothing is recorded."""
     amax_history: torch.Tensor | None  # (amax_history_len,) float32; [0] is the current step's slot
     scale: torch.Tensor                # () float32
 
@@ -90,13 +82,10 @@ class DelayedState(NamedTuple):
 
 
 class BatchAmax(NamedTuple):
-    """Batch-scope state of one tensor role under current scaling (te_func.vmapped): the amax the
-    whole batch's tensor of this role had, and for a per-sample call the scale of that amax.
-    A per-sample call quantizes with that scale, the same for every sample, so that the
-    samples' GEMMs are the batch's GEMM (te_func.gemm); the pass over the whole batch, which
-    starts from 0 without a scale, with the scale of max(amax, its own amax), which is plain
-    current scaling. Both record that max: te_func.vmapped checks that no sample's exceeded
-    the batch's."""
+    """Batch-scope state of one role under current scaling (te_func.vmapped): the batch's amax,
+    and for a per-sample call its scale, so that the samples' GEMMs are the batch's. The pass
+    over the whole batch starts from 0 without a scale (plain current scaling). Both record the
+    max, so te_func.vmapped can check that no sample's exceeded the batch's."""
     amax: torch.Tensor                  # () float32
     scale: torch.Tensor | None = None   # () float32: a per-sample call's
 
@@ -114,10 +103,8 @@ class BatchAmax(NamedTuple):
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> torch.Tensor:
-    # Saturate rather than overflow: torch's cast turns |v| > fp8_max into NaN
-    # (E4M3) or inf (E5M2), TE's kernels clamp to the largest finite value.
-    # Row-major whatever x's strides (a transposed input, a gradient): cuBLAS's FP8
-    # GEMMs take only row-major x column-major operands.
+    # Saturate as TE's kernels do (torch's cast gives NaN or inf past fp8_max); row-major
+    # whatever x's strides, as cuBLAS's FP8 GEMMs take only row-major x column-major operands.
     return torch.clamp(x.float() * scale, -s.fp8_max, s.fp8_max).to(s.dtype, memory_format=torch.contiguous_format)
 
 
@@ -213,12 +200,10 @@ def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | No
 
 
 def _compiled_cast(x: torch.Tensor, s: Scheme, amax: torch.Tensor | None) -> Quantized | None:
-    """Current scaling's cast of x under torch.compile on CUDA, or None: partial maxes of x's
-    pieces, then one kernel that reduces them and casts (te_func.kernels.cast_from_partials).
-    The partial maxes are `amax` where x's producer took them (te_func.kernels.gelu_partials, at
-    any size), else, for a small x, those of its row chunks (te_func.kernels.partial_rows), which
-    inductor takes in the pass that makes x. The same bits as `cast_with_scale` with the scale of
-    `amax_of(x)` (a max is exact in any order)."""
+    """Current scaling's cast of x under torch.compile on CUDA, or None: one kernel reduces the
+    partial maxes of x's pieces (`amax` where x's producer took them, else those of its row
+    chunks, which inductor takes in the pass that makes x) and casts. The same bits as
+    `cast_with_scale` (a max is exact in any order)."""
     if amax is not None and amax.dim() == 1:
         partials = amax
     else:
@@ -273,15 +258,10 @@ def _quantize_nvfp4(x: torch.Tensor, s: Scheme, rng: torch.Tensor | None, stream
 def quantize_scheme(x: torch.Tensor, s: Scheme, state=None, amax: torch.Tensor | None = None):
     """Quantize `x` by scheme `s`. Returns (Quantized, new_state).
 
-    state: the role's DelayedState under delayed scaling (new_state: `state` with this
-    tensor's amax recorded); a BatchAmax for a tensor-wise current scheme in batch scope
-    (new_state: the batch's amax, unless this tensor's is larger); NVFP4 with stochastic
-    rounding: the RNG state, int64 (seed, counter) (new_state: the next one,
-    te_func.quant.nvfp4.advance_rng); else None.
-    amax: max |x| () fp32, NaN skipped, where x's producer took it on the way
-    (te_func.kernels.activation), or under torch.compile the maxes (P,) of x's pieces
-    (te_func.kernels.gelu_partials): a tensor-wise scheme uses it instead of a pass over x;
-    block schemes take theirs per block.
+    state: a DelayedState (new_state records x's amax); a BatchAmax in batch scope (new_state:
+    the larger amax); NVFP4's RNG state (seed, counter) (new_state: the next); else None.
+    amax: max |x| () or the maxes (P,) of x's pieces, where x's producer took them: a
+    tensor-wise scheme uses it instead of a pass over x.
     """
     if s.nvfp4:
         return _quantize_nvfp4(x, s, state, 0), None if state is None else nvfp4.advance_rng(state)
@@ -326,13 +306,8 @@ def quantize_scheme(x: torch.Tensor, s: Scheme, state=None, amax: torch.Tensor |
 
 def quantize(x: torch.Tensor, recipe, role: str = "input", state=None):
     """Quantize `x` as `recipe` quantizes tensors of `role` ("input", "weight" or "grad").
-
-    Returns `(Quantized, new_state)`; `state` and `new_state` are the role's
-    `DelayedState` under DelayedScaling, a `BatchAmax` for a per-sample call in batch
-    scope under Float8CurrentScaling, the RNG state (seed, counter) of NVFP4's
-    stochastically rounded gradients, None otherwise. Under NVFP4 this is the rowwise
-    copy (no Hadamard transform: TE applies it to the columnwise copy only).
-    """
+    Returns `(Quantized, new_state)`, the states as `quantize_scheme`'s. Under NVFP4 this is
+    the rowwise copy (TE applies the Hadamard transform to the columnwise copy only)."""
     return quantize_scheme(x, scheme_for(recipe, role), state)
 
 
@@ -351,10 +326,8 @@ def transpose(q: Quantized) -> Quantized:
 
 
 def quantize_with_transpose(x: torch.Tensor, s: Scheme, state=None, amax: torch.Tensor | None = None):
-    """Both copies a GEMM layer needs of a 2-D `x`: blocks along its rows and along its
-    columns. Returns (q, q_t, new_state), q_t being the cast of x.T (under NVFP4 with
-    the Hadamard transform, of its transform along x's rows: te_func.quant.nvfp4).
-    amax: as `quantize_scheme`'s."""
+    """Both copies a GEMM layer needs of a 2-D `x`: (q, q_t, new_state), q_t the cast of x.T
+    (NVFP4 with the Hadamard transform: of its transform along x's rows)."""
     if s.nvfp4:
         q = _quantize_nvfp4(x, s, state, 0)
         q_t = transpose(q) if s.transposable else _quantize_nvfp4(x.t(), s, state, 1, hadamard=s.hadamard)
@@ -379,11 +352,8 @@ def nvfp4_block_values(q: Quantized) -> torch.Tensor:
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """data * scale_inv, block by block, in `dtype`.
-
-    NVFP4 as TE's dequantize kernel: e2m1 * fl(fl(scale_inv * global_amax) * fl32(1 / 2688)),
-    in fp32, then cast to `dtype`; the result has `q.shape`.
-    """
+    """data * scale_inv, block by block, in `dtype`. NVFP4 as TE's dequantize kernel:
+    e2m1 * fl(fl(scale_inv * global_amax) * fl32(1 / 2688)) in fp32; the result has `q.shape`."""
     if q.global_amax is not None and q.block is not None:     # NVFP4
         values = nvfp4.e2m1_values(nvfp4.unpack_e2m1(q.data, q.shape[-1]))
         factor = (q.scale_inv.float() * q.global_amax) * (1.0 / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX))

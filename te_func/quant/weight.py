@@ -1,10 +1,5 @@
-"""Weight casts cached across microbatches (TE's `is_first_microbatch`), without mutation.
-
-`quantize_weight` reads and returns the cast as a small flat dict whose
-entries `te_func.quant.workspace.cast_entries` defines: `data` / `scale_inv`
-(blocks along in_features, for the forward GEMM), `data_t` (the cast of
-weight.T, for the input-gradient GEMM) and, for block scales, `scale_inv_t`.
-"""
+"""Weight casts cached across microbatches (TE's `is_first_microbatch`), without mutation:
+`quantize_weight` reads and returns the cast as the flat dict `cast_entries` defines."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,55 +1,9 @@
 """The workspace format: what te_func keeps between calls, and the flat names users see.
 
-Every FP8 GEMM of a layer keeps one `GemmWorkspace`, a small pytree:
-
-    cast      WeightCast | None     the weight's FP8 cast in both layouts (None without a recipe)
-    input     DelayedState | None   DelayedScaling only: the GEMM input's amax history and scale,
-    weight    DelayedState | None   the weight's,
-    grad      DelayedState | None   and the output gradient's (updated in backward)
-    rng       Tensor | None         NVFP4 with stochastic rounding only: the output gradient's
-                                    random stream (seed, counter)
-
-`Gemm(weight)` names one GEMM of a layer by its weight parameter, and its
-activation states' prefix follows (`Gemm.prefix`). Its flat, op-local entries
-(the frame prefixes each with the layer's module path, like a state_dict):
-
-    {weight}_cast.data            (out, in)     FP8   the forward GEMM's layout
-    {weight}_cast.scale_inv       () or blocks        the decode factors of `data`
-    {weight}_cast.data_t          (in, out)     FP8   the cast of weight.T, for the input gradient
-    {weight}_cast.scale_inv_t     blocks              only for block scales: a tensor-wise
-                                                      scale is one number for both layouts
-    {weight}_cast.global_amax     ()   fp32           NVFP4 only: the weight's amax, its per-tensor
-                                                      scale, the same for both layouts; NVFP4's
-                                                      data is uint8 (two E2M1 codes a byte, the
-                                                      last dim halved) and its block scales E4M3
-    {prefix}input_amax_history    (L,) fp32     \\
-    {prefix}input_scale           ()   fp32      |  DelayedScaling only
-    {weight}_amax_history, {weight}_scale        |
-    {prefix}grad_amax_history     (L,) fp32      |  updated in backward (`Entry.backward`)
-    {prefix}grad_scale            ()   fp32     /
-    {prefix}grad_rng_state        (2,) int64    NVFP4 with stochastic rounding (and no
-                                                backward_override): (seed, counter) of the stream
-                                                the output gradient is rounded with; a forward
-                                                that may be differentiated reads it (its backward
-                                                draws from it) and leaves the next counter, so
-                                                each backward gets its own numbers and the state
-                                                comes back with the forward's entries
-
-and every workspace dict holds one more entry, `RECIPE_KEY`: the format
-version and a fingerprint of the recipe it was made for (`fingerprint`).
-Names are plain (`[A-Za-z0-9_.]+`), no two entries share storage, and the
-list of names of each layer x recipe is pinned by tests/golden_workspaces.json.
-
-Batch scope (te_func.vmapped: per-sample gradients quantized as the whole batch
-is) adds, for one call and under tensor-wise current scaling only, the amax the
-whole batch had (`Lowering.batch_entries`; never kept between calls):
-
-    {prefix}input_batch_amax      ()   fp32      the GEMM input's
-    {prefix}grad_batch_amax       ()   fp32      the output gradient's (updated in backward)
-
-Each entry declares its `kind`, which says how the copies a per-sample vmap
-makes of it combine into the whole batch's (`Entry.records_amax`).
-"""
+Every FP8 GEMM of a layer keeps one `GemmWorkspace`: its weight's cast (`WeightCast`), and
+per role (input, weight, output gradient) a DelayedScaling state, plus NVFP4's stochastic
+rounding stream. `Gemm(weight)` names the GEMM, and every flat entry derives from that name.
+docs/workspaces.md is the table of entries; tests/golden_workspaces.json pins them."""
 from __future__ import annotations
 
 import dataclasses
@@ -74,8 +28,7 @@ RECIPE_KEY = "te_func_recipe"
 ROLES_OF_GEMM = ("input", "weight", "grad")
 
 
-# What an entry holds: a weight cast's tensor; a DelayedScaling amax history or scale; a
-# batch-scope amax; a random stream (NVFP4's stochastic rounding); the recipe fingerprint.
+# what an entry holds (docs/workspaces.md)
 KINDS = ("cast", "amax_history", "scale", "batch_amax", "rng", "recipe")
 
 
@@ -94,10 +47,8 @@ class Entry(NamedTuple):
 
     @property
     def records_amax(self) -> bool:
-        """Whether the entry records amaxes (histories, batch amaxes): a call on one sample writes
-        that sample's amax there, so per-sample copies made from one state combine by max into
-        the whole batch's. Every other kind (casts, scales, the fingerprint) is computed from the
-        shared state and parameters alone, so it is the same in every sample's copy."""
+        """Whether a call on one sample writes its amax here, so per-sample copies combine by max
+        into the batch's; every other kind is the same in every sample's copy."""
         return self.kind in ("amax_history", "batch_amax")
 
 
@@ -163,10 +114,8 @@ def cast_from_flat(flat: dict, s: Scheme) -> WeightCast:
 
 
 class CarriedCast(torch.Tensor):
-    """A weight that arrives already cast, such as an FP8 all-gather's output (te_func.distributed):
-    a tensor subclass whose `te_func_weight_cast` `make_cast` takes instead of casting. A base
-    class rather than a duck-typed method, because torch.compile traces isinstance checks of
-    tensor subclasses."""
+    """A weight that arrives already cast (an FP8 all-gather's output): `make_cast` takes its
+    `te_func_weight_cast`. A base class, as torch.compile traces isinstance checks of subclasses."""
 
     def te_func_weight_cast(self, s: Scheme, state: DelayedState | None) -> tuple[WeightCast, DelayedState | None]:
         """(the weight's cast in both layouts, `state` with the weight's amax recorded)."""
@@ -186,12 +135,9 @@ def make_cast(weight: torch.Tensor, s: Scheme, state: DelayedState | None = None
 
 @dataclasses.dataclass(frozen=True)
 class Gemm:
-    """One FP8 GEMM of a layer, named by its weight parameter: "weight" (Linear, LayerNormLinear),
-    "fc1_weight" and "fc2_weight" (LayerNormMLP), "weight{i}" (GroupedLinear). Every key of the
-    GEMM derives from this one name, here: its cast's entries, its states' (under the prefix
-    the names give, "", "fc1_", "gemm{i}_", kept as the workspace format has always spelled
-    them), its random stream, and its tensors' names inside the op (`slot`). Which entries
-    exist under a recipe is the recipe's Lowering's (te_func.quant.lowering)."""
+    """One FP8 GEMM of a layer, named by its weight parameter ("weight", "fc1_weight", "weight{i}").
+    Every key of the GEMM derives from this name, here; which entries exist under a recipe is
+    its Lowering's (te_func.quant.lowering)."""
     weight: str
 
     @property
