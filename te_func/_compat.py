@@ -108,15 +108,12 @@ def guard_cpu_loop_split_at_compile() -> None:
 def guard_cpu_loop_split() -> None:
     """Skips inductor's C++ loop split where torch's own check of it fails.
 
-    The split (CppScheduling.try_loop_split) is an optional rewrite of a fused CPU kernel
-    that removes a `x // n` index. It checks that the fused loops have as many dimensions,
-    not that they are as long, and then asserts they are: a kernel that casts a tensor by
-    blocks along its rows and its transpose by blocks along its rows too (MXFP8's and
-    Float8BlockScaling's two copies of a gradient) stops the compile with
-    `AssertionError: ({y0: 32, y1: 2, y2: 32}, {y0: 64, y1: 1, y2: 32})`.
-    docs/functional.md has the minimal repro. The assertion comes before the split changes
-    any node, so returning the nodes there gives the kernel torch writes for loops it
-    does not split. Any other assertion propagates."""
+    The split (CppScheduling.try_loop_split) checks that the fused loops have as many dims, not that
+    they are as long, then asserts it: MXFP8's and Float8BlockScaling's two casts of a gradient stop
+    the compile with `AssertionError: ({y0: 32, y1: 2, y2: 32}, {y0: 64, y1: 1, y2: 32})`
+    (docs/functional.md has the repro). The assertion comes before the split changes any node, so
+    returning the nodes gives the kernel torch writes for loops it does not split. Any other
+    assertion propagates."""
     try:
         from torch._inductor.codegen.cpp import CppScheduling
     except ImportError:     # a torch without inductor's C++ backend has nothing to guard

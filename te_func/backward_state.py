@@ -36,12 +36,9 @@ def reduce_amaxes(state_grads: dict, groups: dict) -> dict:
 
 
 def merge(new_ws: dict, state_grads: dict) -> dict:
-    """new_ws with each grad record combined with its "gradient" by elementwise max.
-
-    For a history that gradient is zero but for slot 0, the backward amax
-    (te_func.ops.gemm_layer.backward_amax), so the max records it in the current step's slot,
-    also across microbatches; a sum would add amaxes. A batch amax's is the amax itself.
-    """
+    """new_ws with each grad record combined with its "gradient" by elementwise max: for a history
+    that gradient is the backward amax in slot 0, so the max records it in the current step's slot
+    (a sum would add microbatches' amaxes); a batch amax's is the amax itself."""
     return {**new_ws, **{k: torch.maximum(new_ws[k], g) for k, g in state_grads.items()}}
 
 
@@ -57,11 +54,9 @@ def merge(new_ws: dict, state_grads: dict) -> dict:
 def merge_inboxes(histories: list[torch.Tensor], inboxes: list[torch.Tensor]) -> list[torch.Tensor]:
     """max(history, inbox) of each pair ((L,) fp32 each), leaving the inboxes zero.
 
-    Declared as not mutating the inboxes, on purpose: torch.compile would otherwise hand a
-    compiled backward each inbox as the compiled forward left it (zeros), and that backward's
-    max would overwrite what other backwards put in the inbox since (and fail autograd's
-    version check). Opaque to the compiler, the emptying leaves the inboxes untouched as far
-    as AOTAutograd knows, so a compiled backward reads and writes the live buffers."""
+    Declared as not mutating the inboxes, on purpose: torch.compile would otherwise hand a compiled
+    backward each inbox as the compiled forward left it (zeros), overwriting what other backwards
+    put there since. Opaque to the compiler, a compiled backward reads and writes the live buffers."""
     merged = [torch.maximum(h, inbox) for h, inbox in zip(histories, inboxes)]
     for inbox in inboxes:
         inbox.zero_()
@@ -74,13 +69,10 @@ def _(histories, inboxes):
 
 
 class DeliverToInboxes(torch.autograd.Function):
-    """`DeliverToInboxes.apply(*histories, *inboxes)` is `histories` ((L,) fp32 each), for the
-    ops that read them. Backward merges each history's gradient (the backward amax, zero but
-    for slot 0: te_func.ops.gemm_layer.backward_amax) into its inbox by max, in place, and
-    passes no gradient on. Inside a compiled graph this runs whatever the backward was asked
-    for: the graph is one autograd node, which autograd.grad(loss, params) runs as
-    loss.backward() does. One Function for all histories: dynamo traces each Function apply
-    at length."""
+    """`DeliverToInboxes.apply(*histories, *inboxes)` is `histories`. Backward merges each history's
+    gradient (the backward amax) into its inbox by max, in place, and passes no gradient on. In a
+    compiled graph (one autograd node) it runs whatever the backward was asked for. One Function
+    for all histories: dynamo traces each apply at length."""
 
     @staticmethod
     def forward(*histories_and_inboxes):

@@ -31,14 +31,10 @@ __all__ = ["checkpoint"]
 def checkpoint(function, *args, **kwargs):
     """`function(*args, **kwargs)` with its activations recomputed in backward (module docstring).
 
-    function: an nn.Module, a bound method of one (`layer.forward`), or a functools.partial of
-    a function whose first argument is the module or of a bound method (what HuggingFace's gradient
-    checkpointing passes: `partial(forward, layer, **kwargs)`, or in transformers 5.17
-    `partial(layer.__call__, **kwargs)`); the module's parameters are the ones it uses.
-    Tensors in args, kwargs and the partial's arguments are inputs (differentiated where their
-    gradient is wanted); other values are held constant. Gradients and workspaces are those of
-    the un-checkpointed call.
-    """
+    function: an nn.Module, a bound method of one, or a functools.partial of either (HuggingFace's
+    gradient checkpointing passes `partial(layer.__call__, **kwargs)`). Tensors among the arguments
+    are inputs (differentiated where wanted); other values are constants. Gradients and workspaces
+    are those of the un-checkpointed call."""
     call, module, base = _callable(function)
     frame = current_frame()
     if frame is None or _outside_transforms():

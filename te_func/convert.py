@@ -104,12 +104,8 @@ def _replacement(module: nn.Module, conv1d) -> tuple[nn.Module | None, str | Non
 
 def convert(model: nn.Module, *, module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
     """Swap, in place, the convertible layers of `model` for te_func's; returns `model`.
-
-    module_filter_fn(module, fqn) -> bool, as torchao's: only modules for which it returns
-    True are converted (fqn: the module's path in `model`, "" for the root). A root module
-    that is itself convertible is not swapped (there is no parent to hold the new one):
-    wrap it, e.g. in torch.nn.Sequential.
-    """
+    module_filter_fn(module, fqn) -> bool, as torchao's, picks them. A convertible root has no
+    parent to hold its replacement: wrap it, e.g. in torch.nn.Sequential."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"tef.convert: model must be a torch.nn.Module, got {type(model).__name__}")
     conv1d = _conv1d_type()
@@ -143,13 +139,10 @@ def gemm_size(tokens: int, in_features: int, out_features: int) -> float:
 
 
 def fp8_pays(tokens: int, min_gemm_size: float = 2048.0) -> Callable[[nn.Module, str], bool]:
-    """A module_filter_fn that converts the Linear layers whose GEMMs are large enough for FP8 to
-    pay on its own, at `tokens` tokens per call: gemm_size(tokens, in, out) >= min_gemm_size.
-
-    2048 is where a single te_func LayerNormMLP's FP8 casts cost what FP8 saves on an H200
-    (docs/benchmarks.md). A whole model can still gain from running smaller layers in FP8
-    (fewer conversions between them): decide by measuring the whole model. Norms pass.
-    """
+    """A module_filter_fn converting the Linear layers whose GEMMs are large enough for FP8 to pay on
+    its own at `tokens` tokens a call: gemm_size(tokens, in, out) >= min_gemm_size (2048: where a
+    LayerNormMLP's casts cost what FP8 saves on an H200, docs/benchmarks.md). A whole model can still
+    gain from smaller FP8 layers: measure it. Norms pass."""
     conv1d = _conv1d_type()
 
     def keep(module: nn.Module, fqn: str) -> bool:

@@ -83,21 +83,13 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def init_workspaces(model: nn.Module, recipe, *, weight_cache: bool = True) -> dict[str, torch.Tensor]:
-    """Fresh workspaces for every te_func layer of `model` under `recipe`: a flat dict
-    keyed by module path, like a state_dict, every entry on its layer's device. Weight
-    casts are made from the model's current weights, so they are valid until the weights change.
+    """Fresh workspaces for every te_func layer of `model` under `recipe`: a flat dict keyed by
+    module path, every entry on its layer's device, the casts made from the current weights.
 
-    weight_cache=False leaves the weight casts out: a call then casts each weight for itself
-    (is_first_microbatch None) and keeps no cast between calls, as TE keeps none for
-    is_first_microbatch=None. That is one FP8 copy of every GEMM weight in both layouts less
-    resident memory, and the casts a step makes are freed as its backward is done with them;
-    microbatches that reuse a cast (is_first_microbatch True / False) need the cache.
-
-    On CUDA the entries are marked static addresses (torch._dynamo.mark_static_address):
-    CUDA graphs (`torch.compile(mode="reduce-overhead")`) then read them in place, where a
-    workspace that a call passes through unchanged (cached casts at inference) would
-    otherwise be copied into the graph's buffers on every replay.
-    """
+    weight_cache=False leaves the casts out: each call casts its weights (is_first_microbatch None)
+    and frees them after its backward, one FP8 copy of every weight less resident memory.
+    On CUDA the entries are marked static addresses, so CUDA graphs read them in place
+    (docs/workspaces.md)."""
     _check_recipe(recipe)
     units = distributed.fsdp_units(model)
     distributed.check_layouts(model, recipe, units)
@@ -247,13 +239,10 @@ def _shape_hint(got: tuple, e) -> str:
 
 
 def validate_workspaces(model, ws, recipe):
-    """Check that `ws` holds every entry `model` needs under `recipe`, with the right
-    shape, dtype and device, no other, and was made for `recipe`; raise an error naming
-    what does not fit (the recipe first, then the first entry). Workspaces made with
-    weight_cache=False (init_workspaces) hold every entry but the weight casts.
-
-    Returns {id(module): (its path, its entry names, those its backward reads as given)} for the frame.
-    """
+    """Check that `ws` holds every entry `model` needs under `recipe` (right shape, dtype, device;
+    the casts may all be missing: weight_cache=False), no other, and was made for `recipe`; raise an
+    error naming the recipe, else the first entry that does not fit. Returns {id(module): (its path,
+    its entry names, those its backward reads as given)} for the frame."""
     return _validate(model, ws, recipe)[0]
 
 
@@ -304,20 +293,13 @@ def _model_lock(model: nn.Module):
 
 def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *, recipe,
                     is_first_microbatch: bool | None = None, amax_group=None, _watch=None):
-    """Run `model` with `params` (as torch.func.functional_call takes them) and
-    workspaces `ws`. Returns `(out, new_ws)`; nothing passed in is mutated.
+    """Run `model` with `params` (as torch.func.functional_call takes them) and workspaces `ws`.
+    Returns `(out, new_ws)`; nothing passed in is mutated.
 
-    is_first_microbatch: None and True quantize the weights and store the casts
-    in new_ws (None never reads them); False reuses a valid stored cast, else
-    quantizes and stores. A layer called again within the call runs as False.
-    A layer's own `is_first_microbatch=` argument, when given, wins. Workspaces
-    made with weight_cache=False take None only, and new_ws holds no cast either.
-
-    amax_group: under DelayedScaling(reduce_amax=True), the ranks this call's amaxes
-    are all-reduced over (te_func.distributed.amax_reduction_group: None is the default
-    group when torch.distributed is initialized). Under FSDP, `params` may be the
-    sharded parameters (docs/distributed.md).
-    """
+    is_first_microbatch: None and True cast the weights and store the casts (None never reads
+    them); False reuses a stored cast. A layer called again within the call runs as False; a layer's
+    own argument wins. amax_group: the ranks DelayedScaling(reduce_amax=True) reduces over.
+    Under FSDP, `params` may be the sharded parameters (docs/distributed.md)."""
     if recipe is not None and not _te_modules(model):
         raise ValueError(f"tef.functional_call: the model ({type(model).__name__}) has no te_func layers, so "
                          f"recipe={type(recipe).__name__} would change nothing; convert it first: tef.convert(model)")
@@ -434,11 +416,8 @@ def _grad_and_value(fn, argnums, fn_name, args, kwargs):
 
 
 def grad(fn, argnums=0):
-    """`torch.func.grad` for a `fn(params, ws, ...) -> (loss, new_ws)`.
-
-    Returns a function giving `(grads, new_ws)`; under DelayedScaling new_ws
-    also holds the grad-role amax histories recorded in backward.
-    """
+    """`torch.func.grad` for a `fn(params, ws, ...) -> (loss, new_ws)`: returns `(grads, new_ws)`,
+    new_ws holding the grad-role amaxes recorded in backward."""
     def wrapped(*args, **kwargs):
         grads, _, new_ws = _grad_and_value(fn, argnums, "tef.grad", args, kwargs)
         return grads, new_ws

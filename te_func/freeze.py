@@ -83,21 +83,12 @@ def freeze(model: nn.Module, recipe, *, workspaces: dict | None = None, device=N
            weight_only_tokens: int = 0) -> nn.Module:
     """An inference copy of `model` holding each GEMM weight as its FP8 forward cast only.
 
-    model: an nn.Module with te_func layers (tef.convert makes them), or a tef.Stateful
-    (its model and workspaces are used). recipe: the FP8 recipe the model runs with.
-    workspaces: the model's workspaces (tef.init_workspaces, a training step's new_ws,
-    shell.workspaces): their casts and DelayedScaling scales are frozen; needed under
-    DelayedScaling. Without them the current weights are cast.
-    device: where the frozen model lives (default: where the model is); only the FP8
-    casts and the non-GEMM parameters are moved there.
-    weight_only_tokens: calls of at most this many tokens (the product of the input's
-    leading dims) run weight-only FP8: the input not quantized, times the FP8 weight
-    (te_func.gemm.weight_only_gemm; not a TE mode). 0: never. 1 is the one-token decode
-    step, where it is the faster path on an H200 (docs/inference.md).
-
-    The copy is in eval mode, its parameters do not require grad, and the model passed in
-    is not modified.
-    """
+    model: a module with te_func layers, or a tef.Stateful. recipe: the recipe it runs with.
+    workspaces: whose casts and DelayedScaling scales are frozen (needed under DelayedScaling);
+    without them the current weights are cast. device: where the copy lives (default: the model's).
+    weight_only_tokens: calls of at most this many tokens run weight-only FP8 (the input not
+    quantized; not a TE mode; 0: never; docs/inference.md). The copy is in eval mode, without
+    gradients; `model` is not modified."""
     if isinstance(model, Stateful):
         if recipe != model.recipe:
             raise RecipeMismatchError(f"tef.freeze: the shell runs {model.recipe!r}, not {recipe!r}", recipe=recipe)

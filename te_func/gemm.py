@@ -121,12 +121,10 @@ def _pow2_blocks_on_gpu(a: Quantized, b: Quantized) -> bool:
 
 
 def _nvfp4_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    """NVFP4 x NVFP4 as the block-scaled FP4 tensor cores compute it: per-block products are
-    exact, they accumulate in fp32, and the epilogue multiplies by alpha = fl(fl(amax_a * amax_b)
-    * fl32(1 / (6 * 6 * 448 * 448))), TE's per-tensor scale of the GEMM
-    (compute_nvfp4_per_tensor_scale_kernel), then adds the bias. Hopper and CPUs have no FP4 GEMM:
-    this fp32 GEMM computes the same function up to accumulation order; on a GPU its operands are
-    exact in tf32 too, so allow_tf32 changes nothing."""
+    """NVFP4 x NVFP4 as the FP4 tensor cores compute it: exact per-block products accumulated in fp32,
+    times TE's per-tensor alpha = fl(fl(amax_a * amax_b) * fl32(1 / (6 * 6 * 448 * 448))), plus the
+    bias. Hopper and CPUs have no FP4 GEMM: this fp32 GEMM is the same function up to accumulation
+    order (its operands are exact in tf32 too)."""
     if a.global_amax is None or b.global_amax is None:
         raise ValueError("an NVFP4 GEMM needs two NVFP4 operands (te_func.quant.Quantized with global_amax)")
     acc = nvfp4_block_values(a) @ nvfp4_block_values(b).t()
@@ -154,17 +152,11 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool
          bias: torch.Tensor | None = None) -> torch.Tensor:
     """(M, K) x (N, K) -> (M, N) = dequantize(a) @ dequantize(b).T + bias, in `out_dtype`.
 
-    The bias (N,), taken in `out_dtype` (as TE's GEMM takes it in the output's), is added to the
-    fp32 product before it is rounded: in cuBLAS's epilogue where cuBLAS runs the GEMM, as TE
-    adds it, and so in the emulation.
-    On FP8 GPUs with tensor-wise scales this is one `torch._scaled_mm`
-    (`fast_accum` as TE: on for the forward GEMM, off for the backward ones);
-    Float8BlockScaling's block pairs on Hopper also run in `_scaled_mm`.
-    MXFP8 on a GPU without MXFP8 GEMMs dequantizes to bf16 (exact) and runs a
-    bf16 GEMM. Elsewhere it dequantizes to fp32 and accumulates in fp32: the
-    same function, exactly, up to accumulation order. NVFP4 (E2M1 data packed two per
-    byte) is emulated everywhere, in fp32 (`_nvfp4_gemm`).
-    """
+    The bias (N,) is added to the fp32 product before its rounding, as cuBLAS's epilogue does for TE.
+    Tensor-wise scales on FP8 GPUs (and Float8BlockScaling's block pairs on Hopper) run one
+    `torch._scaled_mm` (`fast_accum` as TE: forward on, backward off); MXFP8 without MXFP8 GEMMs
+    dequantizes to bf16 (exact); elsewhere, and NVFP4 everywhere, the GEMM is emulated in fp32:
+    the same function up to accumulation order."""
     if a.data.shape[-1] != b.data.shape[-1]:
         raise ValueError(f"GEMM reduction dims differ: a {tuple(a.data.shape)}, b {tuple(b.data.shape)}")
     bias = _bias(bias, b.data.shape[0], out_dtype)
@@ -192,20 +184,11 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool
 
 
 def weight_only_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """(M, K) x (N, K) quantized -> (M, N) = x @ dequantize(w).T + bias, in x's dtype: weight-only FP8.
-
-    The GEMM runs on the unquantized activations. At a few tokens it is bound by reading its
-    weight, and this one reads FP8 bytes and skips the activation's cast.
-    te_func.freeze chooses it per call shape (`weight_only_tokens`). TE has no such path.
-    The bias is added as `gemm` adds it: to the fp32 result, before its one rounding.
-    - A tensor-wise cast (Float8CurrentScaling, DelayedScaling): te_func::weight_only_mm, the
-      product of x and the FP8 values summed in fp32, times the scale, plus the bias, rounded
-      once to x's dtype. On FP8 GPUs one Triton kernel reads the FP8 weight once
-      (te_func.kernels.weight_only), eagerly and from compiled graphs alike.
-    - Block scales (MXFP8, Float8BlockScaling, NVFP4): the weight is dequantized to x's
-      dtype (exact for MXFP8's power-of-2 scales) and the GEMM runs in that dtype
-      (`F.linear`: on a GPU cuBLAS adds the bias in its epilogue).
-    """
+    """(M, K) x (N, K) quantized -> (M, N) = x @ dequantize(w).T + bias, in x's dtype: weight-only FP8
+    (not a TE mode; te_func.freeze picks it per call shape). The bias goes in as `gemm` adds it.
+    A tensor-wise cast runs te_func::weight_only_mm (the fp32 sum times the scale, plus the bias,
+    rounded once; on FP8 GPUs one Triton kernel reading the FP8 weight once). Block scales dequantize
+    the weight to x's dtype (exact for MXFP8) and run `F.linear`."""
     bias = _bias(bias, w.data.shape[0], x.dtype)
     if w.block is None and not w.nvfp4:
         if x.shape[-1] != w.data.shape[-1]:

@@ -24,11 +24,9 @@ __all__ = ["TrainerMixin", "lora_config", "register_opacus"]
 
 
 def lora_config(config):
-    """`config` (a peft LoraConfig) with te_func's Linear and TransposedLinear registered as layers
-    LoRA attaches to, through peft's LoRA Linear (TransposedLinear, whose weight is stored
-    (in, out) as transformers' Conv1D, with fan_in_fan_out). Returns `config`, changed in place.
-    Use it for get_peft_model on a converted model, and for PeftModel.from_pretrained onto one
-    (config=tef.integrations.lora_config(LoraConfig.from_pretrained(path)))."""
+    """`config` (a peft LoraConfig), changed in place, with te_func's Linear and TransposedLinear
+    (fan_in_fan_out, as Conv1D) registered as layers LoRA attaches to. For get_peft_model on a converted
+    model, and PeftModel.from_pretrained onto one (config=lora_config(LoraConfig.from_pretrained(path)))."""
     from peft.tuners.lora import Linear as LoraLinear
 
     class LoraTransposedLinear(LoraLinear):
@@ -43,13 +41,10 @@ def lora_config(config):
 
 
 def register_opacus() -> None:
-    """Give opacus (GradSampleModule, PrivacyEngine.make_private) the per-sample gradients of
-    te_func's layers; call it once, before wrapping the model. Each sample's gradient is the one
-    te_func computes for that sample alone (tef.per_sample_grad's scope="sample"): the recipe of
-    the layer's forward, its tensors quantized with the sample's own scales. The batch's forward
-    and input gradients, which give a layer its input and output gradient, must not mix the
-    samples either: recipes whose scales do (Lowering.token_local: tensor-wise current scaling,
-    NVFP4, DelayedScaling) are refused when a per-sample gradient is asked for."""
+    """Give opacus the per-sample gradients of te_func's layers; call it once, before wrapping the
+    model. Each sample's gradient is te_func's for that sample alone (scope="sample"). Recipes whose
+    scales mix the samples in the batch's forward and input gradients (Lowering.token_local: tensor-wise
+    current scaling, NVFP4, DelayedScaling) are refused when a per-sample gradient is asked for."""
     from opacus.grad_sample import register_grad_sampler
     register_grad_sampler([Linear, TransposedLinear, LayerNormLinear, LayerNormMLP, LayerNorm, RMSNorm])(
         _per_sample_grads)
@@ -104,14 +99,11 @@ def _refuse_grouped(layer, activations: list, backprops: torch.Tensor) -> dict:
 
 
 class TrainerMixin:
-    """Mixed in before a transformers Trainer (`class MyTrainer(TrainerMixin, Trainer)`, or
-    `tef.integrations.Trainer`) for a `tef.Stateful` of a HuggingFace model: evaluation knows
-    the model's label names (and so computes its loss), each step's first microbatch casts
-    the weights for the others (is_first_microbatch), and the shell saves as
-    `shell.save_pretrained` does (its model's own folder, which `from_pretrained` loads, and the
-    workspaces beside it), in save_model and in every checkpoint; resume_from_checkpoint and
-    load_best_model_at_end take both back (`shell.load_pretrained`). Other models save and load
-    as the Trainer does."""
+    """Mixed in before a transformers Trainer (or `tef.integrations.Trainer`) for a `tef.Stateful` of a
+    HuggingFace model: evaluation knows the model's label names, each step's first microbatch casts
+    the weights for the others, and the shell saves and loads as `save_pretrained` /
+    `load_pretrained` do, in save_model, checkpoints, resuming and load_best_model_at_end. Other
+    models save and load as the Trainer does."""
 
     # What the mixin reads of the Trainer it is mixed into.
     accelerator: Any

@@ -19,14 +19,10 @@ def _initialized() -> bool:
 
 
 def amax_reduction_group(recipe, amax_group=None):
-    """The process group `recipe`'s amaxes are all-reduced over, or None for no reduction.
-
-    Only DelayedScaling with reduce_amax=True reduces (the other recipes compute each
-    scale from the tensor at hand). amax_group: None means the default group when
-    torch.distributed is initialized and has more than one rank (TE's `fp8_group=None`),
-    else no reduction; or a ProcessGroup, or a 1-D DeviceMesh (its group), for example
-    the data-parallel group of a model that is also tensor-parallel.
-    """
+    """The process group `recipe`'s amaxes are all-reduced over, or None for no reduction (only
+    DelayedScaling(reduce_amax=True) reduces). amax_group: None for the default group when
+    torch.distributed runs more than one rank (TE's `fp8_group=None`); or a ProcessGroup, or a 1-D
+    DeviceMesh (e.g. the data-parallel group of a tensor-parallel model)."""
     if amax_group is not None and not _initialized():
         raise RuntimeError(f"amax_group={amax_group!r} was given but torch.distributed is not initialized: call "
                            f"torch.distributed.init_process_group(...) first, or pass amax_group=None in a "

@@ -45,11 +45,8 @@ def _wrapper(cls, like: torch.Tensor, dtype: torch.dtype, requires_grad: bool = 
 
 
 class Float8AllGatherWeight(torch.Tensor):
-    """A GEMM weight (high precision) that FSDP all-gathers in FP8 under `recipe`.
-
-    Every op but FSDP's sharding ones sees the plain tensor it wraps, so the optimizer
-    updates it in place and a checkpoint stores its values.
-    """
+    """A GEMM weight (high precision) that FSDP all-gathers in FP8 under `recipe`. Every op but FSDP's
+    sharding ones sees the plain tensor it wraps (the optimizer updates it, checkpoints store it)."""
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, recipe):

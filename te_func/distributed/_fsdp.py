@@ -174,13 +174,8 @@ def _fsdp_forward_hooks_suspended(units):
 
 @contextlib.contextmanager
 def gathered_params(model: nn.Module, params: dict):
-    """The `params` a functional call of an FSDP model runs with (see the module docstring).
-
-    Yields `params` itself where FSDP's hooks gather (no FSDP, or the model's own
-    parameters given); else a dict with every FSDP-sharded entry given as a DTensor
-    gathered, FSDP's forward hooks suspended meanwhile (whole plain tensors are used as
-    they are: tef.grad gathers before differentiating).
-    """
+    """The `params` a functional call of an FSDP model runs with: `params` itself where FSDP's hooks
+    gather; else every sharded DTensor entry gathered, with FSDP's forward hooks suspended."""
     if not _initialized():
         yield params
         return

@@ -78,13 +78,9 @@ def _make_styles():
                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
     class LayerNormMLPParallel(ParallelStyle):
-        """te_func's LayerNormMLP sharded as Megatron's MLP: fc1_weight and fc1_bias Shard(0),
-        fc2_weight Shard(1), the norm's parameters and fc2_bias replicated.
-
-        input_layouts: how the input is laid out (Replicate(), or Shard(d) for sequence
-        parallelism); output_layouts: how the output should be (Replicate() or Shard(d));
-        use_local_output: return a plain tensor (the local part) rather than a DTensor.
-        """
+        """te_func's LayerNormMLP sharded as Megatron's MLP: fc1 Shard(0), fc2_weight Shard(1), the rest
+        replicated. input_layouts / output_layouts: Replicate(), or Shard(d) for sequence parallelism;
+        use_local_output: return the local part rather than a DTensor."""
 
         def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True):
             super().__init__()

@@ -12,11 +12,8 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def check_input(layer: str, inp: torch.Tensor, features: int, params: dict[str, torch.Tensor | None],
                 recipe=None):
-    """Clear errors for the misuses a layer can see from its arguments' metadata.
-
-    High precision (recipe None) also takes float64, as the plain torch layer does. Only whether
-    `recipe` is None is read, so a caller may pass the recipe's name instead of the object.
-    """
+    """Clear errors for the misuses a layer can see from its arguments' metadata. High precision also
+    takes float64; only whether `recipe` is None is read."""
     dtypes = FLOAT_DTYPES if recipe is not None else FLOAT_DTYPES + (torch.float64,)
     if not isinstance(inp, torch.Tensor):
         raise TypeError(f"{layer}: input must be a torch.Tensor, got {type(inp).__name__}")
@@ -81,12 +78,8 @@ def autocast_input(inp: torch.Tensor) -> torch.Tensor:
 
 
 def first_microbatch(value, layer: str = "te_func") -> bool | None:
-    """`is_first_microbatch` as None, True or False.
-
-    TE's flag is tested for identity with True / False; here any truth value a
-    user may send (np.bool_, 0 / 1, a 0-d bool tensor) means what it says
-    instead of silently starting a new step on every call.
-    """
+    """`is_first_microbatch` as None, True or False: any truth value (np.bool_, 0 / 1, a 0-d bool
+    tensor) means what it says, where TE's identity test would start a new step on every call."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, torch.Tensor):
@@ -104,13 +97,9 @@ def first_microbatch(value, layer: str = "te_func") -> bool | None:
 
 
 def needs_weight_grad(weight: torch.Tensor) -> bool:
-    """Whether forward must keep what the weight-gradient GEMM reads.
-
-    While dynamo traces torch.func.grad, requires_grad of the differentiated
-    tensors reads False, so under compile any grad-enabled call keeps it. Under
-    torch.func.vmap a batched weight reads False too while autograd outside tracks
-    it (an ensemble or MAML's tasks, differentiated by loss.backward()).
-    """
+    """Whether forward must keep what the weight-gradient GEMM reads. Under compile any grad-enabled
+    call does: requires_grad reads False while dynamo traces torch.func.grad, as it does for a
+    vmap-batched weight that autograd outside tracks (ensembles, MAML)."""
     if not torch.is_grad_enabled():
         return False
     return torch.compiler.is_compiling() or _compat.requires_grad(weight)

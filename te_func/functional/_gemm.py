@@ -19,11 +19,9 @@ __all__ = ["GemmStep", "starts_step"]
 
 
 def starts_step(is_first_microbatch: bool | None, update_state: bool | None = None) -> bool:
-    """A call with is_first_microbatch True or None begins a step: DelayedScaling's scales
-    update and its histories roll. Later microbatches (False) quantize with the same
-    scales and add their amaxes to the current slot by max. As in TE, nothing updates
-    while grad is disabled: an evaluation under no_grad records its amaxes and leaves
-    the scales as they are. `update_state` says so explicitly (None: the grad mode now)."""
+    """A call with is_first_microbatch True or None begins a step: DelayedScaling's scales update
+    and its histories roll; later microbatches add their amaxes to the slot by max. As in TE,
+    nothing updates while grad is disabled. `update_state` says so explicitly (None: grad mode)."""
     return is_first_microbatch is not False and _trains(update_state)
 
 

@@ -22,15 +22,9 @@ def grouped_gemms(num_gemms: int) -> tuple[Gemm, ...]:
 
 
 def split_sizes(m_splits, num_gemms: int, tokens: int, layer: str = "GroupedLinear") -> list[int]:
-    """m_splits (a sequence of ints or a 1-D integer tensor) as a list of Python ints, checked.
-
-    A tensor is read with `.tolist()`: in eager mode that is one device-to-host
-    copy (TE takes a list and leaves that copy to its caller). Under
-    torch.compile `.tolist()` stays in the graph as data-dependent ints (no
-    graph break, no recompile per set of sizes), checked with torch._check
-    instead of an `if`. FP8 quantization cannot trace data-dependent sizes, so
-    `grouped_linear` asks for a list there (a list specializes the graph).
-    """
+    """m_splits (ints, or a 1-D integer tensor) as a list of Python ints, checked. A tensor is read
+    with `.tolist()`: one device-to-host copy eagerly; under torch.compile data-dependent ints,
+    checked with torch._check. FP8 quantization cannot trace those, so it asks for a list."""
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.dtype.is_complex:
             raise TypeError(f"{layer}: m_splits must be a list of ints or a 1-D integer tensor, got a tensor "

@@ -76,12 +76,10 @@ def _round_to(v, dtype: tl.constexpr):
 def _activation_kernel(x_ptr, y_ptr, b_ptr, v_ptr, amax_bits_ptr, colsum_ptr, M, N, ACT: tl.constexpr,
                        HAS_BIAS: tl.constexpr, COLSUM: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, PARTIALS: tl.constexpr = False):
-    """v = gelu(x) (ACT_GELU) or x * gelu'(y) (ACT_DGELU), x and y (M, N) contiguous, written in x's
-    dtype (the formulas' fp32 result rounded once), with max |v| recorded into amax_bits_ptr (as `_amax_kernel`;
-    with PARTIALS each tile's max instead, fp32, at amax_bits_ptr[pid_m * programs along N + pid_n])
-    and, with COLSUM, each tile's column sums of v (fp32) in row pid_m of colsum_ptr
-    (cdiv(M, BLOCK_M), N), which the caller adds up in a fixed order. With HAS_BIAS the GELU's
-    input (x, or y) is first added the bias b (N,), rounded to x's dtype as torch's `+` rounds it."""
+    """v = gelu(x) (ACT_GELU) or x * gelu'(y) (ACT_DGELU), (M, N) contiguous, in x's dtype, with max |v|
+    into amax_bits_ptr (PARTIALS: each tile's, at pid_m * programs along N + pid_n), COLSUM: each
+    tile's column sums (fp32) in row pid_m of colsum_ptr; HAS_BIAS: the bias (N,) first added to
+    the GELU's input, rounded as torch's `+`."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -180,11 +178,9 @@ def _cast_kernel(x_ptr, out_ptr, out_t_ptr, scale_inv_ptr, amax_bits_ptr, scale_
                  fp8_max, amax_epsilon, FP8: tl.constexpr, GIVEN_SCALE: tl.constexpr,
                  POW2: tl.constexpr, WRITE_T: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA: tl.constexpr,
                  BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """x (M, N) contiguous -> out (M, N) and, with WRITE_T, out_t (N, M), both FP8 as uint8.
-
-    GIVEN_SCALE (delayed scaling): the scale is read from scale_ptr and this pass also
-    records max |x| into amax_bits_ptr. Otherwise the scale comes from the amax there.
-    """
+    """x (M, N) contiguous -> out (M, N) and, with WRITE_T, out_t (N, M), FP8 as uint8. GIVEN_SCALE
+    (delayed): the scale from scale_ptr, and max |x| recorded into amax_bits_ptr; else the scale
+    comes from the amax there."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if GIVEN_SCALE:
         scale = tl.load(scale_ptr)
@@ -334,12 +330,9 @@ cast_from_partials.register_vmap(lambda info, in_dims, *args: _per_sample(cast_f
 @torch.library.triton_op("te_func::gelu_partials", mutates_args=())
 def gelu_partials(x2d: torch.Tensor, bias: torch.Tensor | None,
                   large: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`activation`'s GELU of a contiguous (M, N) x (plus `bias`), for a compiled graph: (v (M, N) in
-    x's dtype; the max |v| of each of its tiles (P,) fp32, NaN skipped, what `cast_from_partials`
-    reads; with `large`, one max, of all of v (1,)). Called eagerly, v has the bits of `activation`'s;
-    in a graph inductor compiles, the kernel is built with inductor's options, which contract
-    multiply-adds as inductor's own GELU does (it passes no `enable_fp_fusion` to a user kernel),
-    so v agrees to fp32 rounding."""
+    """`activation`'s GELU of a contiguous (M, N) x (plus `bias`) for a compiled graph: (v; the max |v|
+    of each tile (P,) fp32, or with `large` one max (1,)). Under inductor the kernel contracts
+    multiply-adds as inductor's own GELU does, so v agrees with the eager bits to fp32 rounding."""
     m, n = x2d.shape
     v = torch.empty_like(x2d)
     tile_m, tile_n = (LARGE_GELU_TILE_M, LARGE_GELU_TILE_N) if large else (GELU_PARTIALS_TILE_M, GELU_PARTIALS_TILE_N)

@@ -108,14 +108,9 @@ def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_ep
                     power_2_scale: bool, scale: torch.Tensor | None, with_transpose: bool,
                     amax: torch.Tensor | None = None):
     """The tensor-wise FP8 cast of x by the fused kernels, or None where they do not apply.
-
-    x: any shape (2-D with `with_transpose`). `scale` (): delayed scaling's given scale;
-    None: current scaling (scale from amax, `amax_epsilon`, `power_2_scale`). `amax` (): x's
-    amax where its producer took it on the way (`activation`); current scaling then skips
-    its amax pass.
-    Returns (data (x.shape), data_t (cols, rows) or None, scale_inv (), amax ()),
-    amax meaningful only with `scale` or `amax` given (current scaling keeps none).
-    """
+    `scale` (): delayed scaling's; None: current scaling. `amax` (): x's, where its producer took it.
+    Returns (data, data_t (cols, rows) or None, scale_inv (), amax ()), the amax meaningful only
+    with `scale` or `amax` given."""
     if not _applies(x) or (with_transpose and x.dim() != 2):
         return None
     kernels = _kernels("cast")
@@ -206,11 +201,9 @@ def cast_from_partials(x2d: torch.Tensor, partials: torch.Tensor, dtype: torch.d
 
 
 def gelu_partials(x: torch.Tensor, bias: torch.Tensor | None):
-    """Under torch.compile: `activation`'s GELU of a 2-D x (plus bias) by the op
-    te_func::gelu_partials, (v, partial maxes of |v| (P,) fp32) for `cast_from_partials`: for a
-    decode-sized x the max of each of its tiles, for more than COMPILED_CAST_ROWS rows one max of
-    all of v, so that the GELU is computed once, not once for the amax and again in the cast.
-    None where it does not apply (eagerly `activation` does)."""
+    """Under torch.compile: `activation`'s GELU of a 2-D x (plus bias) by te_func::gelu_partials,
+    (v, partial maxes of |v| (P,) fp32) for `cast_from_partials`: one per tile, or over
+    COMPILED_CAST_ROWS rows one of all of v, so the GELU is computed once. None where it does not apply."""
     if not _compiled_op_applies(x) or x.dim() != 2 or (bias is not None and (
             bias.shape != x.shape[-1:] or bias.dtype != x.dtype)):
         return None
@@ -228,16 +221,10 @@ def gelu_partials(x: torch.Tensor, bias: torch.Tensor | None):
 
 def activation(x: torch.Tensor, act: str, y: torch.Tensor | None = None, column_sums: bool = False,
                bias: torch.Tensor | None = None):
-    """An activation by the fused kernel, with its amax and column sums taken on the way, or
-    None where the kernel does not apply.
-
-    act: "gelu" (v = gelu(x), tanh approximation) or "gelu_backward" (v = x * gelu'(y), x being
-    the gradient of the GELU's output and y its input, of x's shape and dtype). x: 2-D.
-    bias: (x.shape[-1],) of x's dtype, added to the GELU's input first (x + bias, or y + bias,
-    rounded as torch's `+`), so that fc1's bias takes no pass of its own.
-    Returns (v in x's dtype, the same bits as te_func.ops.activations' formulas; max |v| ()
-    fp32, NaN skipped; v.sum(0) in x's dtype, or None without `column_sums`).
-    """
+    """An activation by the fused kernel with its amax and column sums taken on the way, or None.
+    act: "gelu" (v = gelu(x), tanh) or "gelu_backward" (v = x * gelu'(y)); x 2-D; bias added to the
+    GELU's input first (rounded as torch's `+`). Returns (v, the bits of te_func.ops.activations'
+    formulas; max |v| () fp32; v.sum(0), or None without `column_sums`)."""
     # _applies first: it says no under torch.compile before any shape is compared (no guard).
     if not _applies(x) or x.dim() != 2 or (y is not None and (y.shape != x.shape or y.dtype != x.dtype)) \
             or (bias is not None and (bias.shape != x.shape[-1:] or bias.dtype != x.dtype)) or _kernels("cast") is None:
@@ -265,11 +252,8 @@ def _norm_applies(x: torch.Tensor) -> bool:
 
 
 def norm_forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None, eps: float, rms: bool):
-    """LayerNorm (rms=False) or RMSNorm of a 2-D x by the fused kernel, or None where it does not
-    apply. gamma, beta (hidden,) fp32 (the norm's weight as it multiplies, zero-centered
-    already). Returns (y in x's dtype, mean (tokens, 1) fp32 or None, rsigma (tokens, 1) fp32,
-    max |y| () fp32): te_func.ops.normalization.norm_forward's results, y rounded to x's dtype,
-    the row statistics summed in the kernel's order (te_func.kernels.norm)."""
+    """LayerNorm or RMSNorm (rms) of a 2-D x by the fused kernel, or None; gamma, beta fp32 as they
+    multiply. Returns (y, mean or None, rsigma, max |y|): norm_forward's, row sums in the kernel's order."""
     if not _norm_applies(x):
         return None
     with _compat.functorch_disabled():

@@ -146,11 +146,7 @@ class Binding(NamedTuple):
 
 def microbatch(frame: Frame, owner: tuple, is_first_microbatch: bool | None = None) -> tuple[bool | None, bool]:
     """(the is_first_microbatch a layer runs with in `frame`, whether it ran in this frame before).
-
-    The layer's own argument wins over the frame's. A layer called again in the same frame (a
-    shared layer) sees what its first call wrote and runs as a later microbatch of the same step
-    (False): its weight cast is reused. Whether the call starts a step follows from this flag
-    and the frame's update_state alone (te_func.functional._gemm.starts_step)."""
+    The layer's own argument wins; a layer called again in the frame runs as a later microbatch."""
     path, names, _ = owner
     prefix = f"{path}." if path else ""
     again = any(prefix + n in frame.updates for n in names)
@@ -160,12 +156,9 @@ def microbatch(frame: Frame, owner: tuple, is_first_microbatch: bool | None = No
 
 
 def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
-    """What `module` runs with, read from the innermost frame of this thread.
-
-    Without a frame a module computes in high precision (a GEMM layer says so once: `_outside_frames`),
-    except while autograd runs a backward: that is an activation checkpoint recomputing its
-    forward, and the module then replays its last call (`_replay`).
-    """
+    """What `module` runs with, read from the innermost frame of this thread. Without a frame it
+    computes in high precision (`_outside_frames`), except during a backward: an activation
+    checkpoint's recompute, which replays its last call (`_replay`)."""
     stack = _stack("frames")
     if not stack:
         replay = _replay(module)

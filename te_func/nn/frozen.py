@@ -70,12 +70,8 @@ class FrozenCast(nn.Module):
 
 class FrozenLayer(nn.Module):
     """What the frozen layers share: their state, the checks of a call and of a checkpoint.
-
-    source: the te_func layer (its options and non-GEMM parameters are taken over; its
-    GEMM weights are not read); casts: GEMM weight name -> its forward cast; input_scales:
-    GEMM weight name -> the input's scale (DelayedScaling); weight_only_tokens: calls of
-    at most this many tokens run weight-only FP8 (te_func.gemm.weight_only_gemm), 0 never.
-    """
+    source: the te_func layer (its GEMM weights are not read); casts / input_scales: GEMM weight
+    name -> forward cast / DelayedScaling input scale; weight_only_tokens: as tef.freeze's."""
     features_attr = "in_features"      # the option that names the input's last dim
     # The source's options a call reads (copied from it in __init__), and the cast's buffers.
     in_features: int
@@ -245,11 +241,9 @@ class FrozenLayer(nn.Module):
 
 
 def _gemm_weight(name: str) -> property:
-    """`layer.<name>` for a GEMM weight of a frozen layer: a tensor on `meta` with the trained
-    parameter's shape and dtype, holding nothing (the layer keeps only the FP8 cast, `<name>_cast`).
-    Model code reads a Linear's weight for its dtype: transformers' T5 casts the activation to
-    `self.wo.weight.dtype` before `wo` (kept in float32 in a bf16 model), and a frozen model
-    must do what the trained one did. Computing with it fails on its device."""
+    """`layer.<name>` for a frozen GEMM weight: an empty `meta` tensor of the trained parameter's shape
+    and dtype. Model code reads it for its dtype (T5 casts activations to `wo.weight.dtype`), and a
+    frozen model must do what the trained one did; computing with it fails."""
     def get(self):
         meta = (getattr(self, "_weight_meta", None) or {}).get(name)
         if meta is None:

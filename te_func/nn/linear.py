@@ -42,13 +42,9 @@ class Linear(TEModule):
 
 
 class TransposedLinear(Linear):
-    """A Linear whose `weight` is stored (in_features, out_features), as transformers' Conv1D
-    (GPT-2's projections) stores it: y = x @ weight + bias.
-
-    `tef.convert` makes these from Conv1D so that the weight stays the same tensor, and a
-    converted model's state_dict keeps the original shapes (save_pretrained / from_pretrained
-    round-trip). The GEMM, its cast and its workspace entries are those of weight.T.
-    """
+    """A Linear whose `weight` is stored (in_features, out_features), as transformers' Conv1D stores
+    it: y = x @ weight + bias. The state_dict keeps Conv1D's shapes; the GEMM, its cast and its
+    entries are those of weight.T."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, params_dtype=None,
                  device=None, return_bias: bool = False):

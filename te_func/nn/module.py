@@ -39,12 +39,8 @@ class TEModule(nn.Module):
     def init_workspace(self, recipe, weights: dict | None = None, path: str = "",
                        weight_cache: bool = True) -> dict[str, torch.Tensor]:
         """Fresh entries: casts of the current weights (none without `weight_cache`), initial
-        DelayedScaling states, NVFP4's random streams (seeded by `path`, the layer's module path,
-        and each GEMM's weight name).
-
-        weights: GEMM weight name -> the parameter's value to cast instead of the parameter (the
-        frame passes the gathered weight of a parameter FSDP keeps sharded).
-        """
+        DelayedScaling states, NVFP4's random streams (seeded by `path` and each weight's name).
+        weights: weight name -> the value to cast instead (FSDP's gathered weight)."""
         entries, lowering = {}, lower(recipe)
         for g in self.gemms():
             weight = self.gemm_weight(g.weight, (weights or {}).get(g.weight))

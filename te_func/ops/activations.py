@@ -259,13 +259,10 @@ _KERNELS = {"gelu": ("gelu", "gelu_backward")}
 
 def activation_with_amax(act: Activation, x: torch.Tensor, bias: torch.Tensor | None = None,
                          partials: bool = False):
-    """`activation_forward(act, x + bias)` -> (out, max |out| () fp32 where a kernel made it (else
-    None), and what `activation_grad_with_sums` reads back as (x, bias): the input and the bias
-    still to add to it, where the kernel added it on the way (fc1's bias: no pass of its own), or
-    x + bias and None).
-    partials: out feeds a current-scaling cast of its own (GemmSlot.input_cast_takes_partials):
-    under torch.compile a small out then comes with the maxes (P,) of its tiles instead
-    (te_func.kernels.gelu_partials), which that cast reduces itself."""
+    """`activation_forward(act, x + bias)` -> (out; max |out| where a kernel made it, else None; and
+    (x, bias) as `activation_grad_with_sums` reads them back: bias None unless the kernel added it).
+    partials: under torch.compile a small out comes with its tiles' maxes (P,) instead, which the
+    current-scaling cast after it reduces itself."""
     bias = None if bias is None else bias.to(x.dtype)
     if act.name in _KERNELS:
         fused = kernels.activation(x, _KERNELS[act.name][0], bias=bias)

@@ -193,11 +193,9 @@ def first_order_only():
 
 
 def backward_differentiable(primals) -> tuple[bool, bool]:
-    """For a Function node being set up over `primals` (its differentiable inputs): (whether it
-    is plain autograd's, no torch.func level of its own; whether something outside the level
-    its backward runs at can differentiate that backward: another torch.func grad or jvp level
-    around it, plain autograd below it (MAML: torch.func.grad inside, loss.backward() outside),
-    or `higher_order()`)."""
+    """For a Function node set up over `primals`: (whether it is plain autograd's; whether something
+    outside its backward's level can differentiate that backward: a torch.func grad or jvp level
+    around it, plain autograd below it (MAML), or `higher_order()`)."""
     levels = _compat.transform_levels()
     while levels and levels[-1] == "vmap":
         levels.pop()

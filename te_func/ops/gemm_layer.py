@@ -72,16 +72,10 @@ class GemmConfig:
 def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: GemmConfig,
                  x_state: DelayedState | BatchAmax | None = None, x_amax: torch.Tensor | None = None,
                  x_scale_inv: torch.Tensor | None = None):
-    """x (tokens, in) @ w (out, in).T + bias -> (out (tokens, out), x's cast, x.T's cast or None, new x state).
-
-    The cast of x.T (blocks along tokens, what the weight-gradient GEMM reads) is made
-    when backward needs it, in the same pass as x's where the scheme allows. With
-    cfg.weight_only x is not quantized (both casts None, the state as it was).
-    x_amax: max |x| where x's producer took it (te_func.quant.quantize_scheme's `amax`).
-    x_scale_inv: the reciprocal of x_state's scale (DelayedScaling) where the caller keeps it, as
-    the cast computes it: x's cast takes it, and the cast's own reciprocal is left unused (a
-    compiled graph drops it).
-    """
+    """x (tokens, in) @ w (out, in).T + bias -> (out, x's cast, x.T's cast or None, new x state).
+    x.T's cast (what the weight-gradient GEMM reads) is made when backward needs it, in one pass with
+    x's where the scheme allows; cfg.weight_only quantizes nothing. x_amax: as quantize_scheme's.
+    x_scale_inv: the reciprocal of x_state's scale, where the caller keeps it."""
     if cfg.weight_only:
         return weight_only_gemm(x, w, bias), None, None, x_state
     if cfg.save_input and cfg.backward_override is None:
@@ -114,11 +108,8 @@ def backward_gemms(gq: Quantized, gq_t: Quantized | None, w_t: Quantized | None,
 
 def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized | None, cfg: GemmConfig,
                   x_dtype: torch.dtype, w_dtype: torch.dtype, g_state=None):
-    """grad_out (tokens, out) -> (dx (tokens, in) or None, dw (out, in) or None, new grad state).
-
-    dx is computed when `w_t` (the cast of weight.T) is given, dw when `xq_t` is. g_state: the
-    gradient's DelayedState, or NVFP4's RNG state for stochastic rounding, or None.
-    """
+    """grad_out (tokens, out) -> (dx or None, dw or None, new grad state): dx when `w_t` is given, dw
+    when `xq_t` is. g_state: a DelayedState, NVFP4's RNG state, or None."""
     if w_t is None and xq_t is None:
         return None, None, g_state
     gq, gq_t, new_state = quantize_grad(grad_out, cfg, xq_t is not None, g_state)
@@ -148,12 +139,9 @@ def _state(s: Scheme, record, scale) -> DelayedState | BatchAmax | None:
 
 
 def backward_amax(new_g) -> torch.Tensor | None:
-    """The grad record's "gradient". For a history: zeros but for slot 0, the amax of this
-    backward's output gradient (`backward_gemm` records it into a zero history). Merged by max
-    into whatever the history is when backward runs, it lands in the current step's slot, as in
-    TE, also when another step's forward ran in between or this backward is a checkpoint's
-    recompute. For a batch amax: the amax this backward quantized with, merged by max likewise.
-    (NVFP4's RNG state needs no such return: the forward already left the next one.)"""
+    """The grad record's "gradient": for a history, zeros but for slot 0, this backward's amax, which
+    a max merges into the current step's slot whenever backward runs (as in TE); for a batch amax,
+    the amax this backward quantized with."""
     return new_g.record if isinstance(new_g, (DelayedState, BatchAmax)) else None
 
 
@@ -238,11 +226,8 @@ class GemmSlot:
         return (self.weight, *map(self._n, ("w", "w_scale_inv", "w_amax", "x_record", "x_scale")))
 
     def linearized(self, t: dict, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x (tokens, in) @ weight.T + bias (tokens, out) in x's dtype, as the forward GEMM would
-        compute it in fp32 on its operands' casts dequantized (x cast again with the state the
-        forward cast it with), each cast passing derivatives straight through to the tensor it
-        was made from: the function whose derivatives are the GEMM's beyond the first-order
-        backward (te_func.ops.boundary)."""
+        """x @ weight.T + bias as the forward GEMM computes it in fp32 on its dequantized casts, each cast
+        passing derivatives straight through: the GEMM's derivatives beyond the first order."""
         n, cfg = self._n, self.cfg
         w = dequantize(Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block, t[n("w_amax")], None))
         xq, _ = quantize_scheme(x.detach(), cfg.input, _state(cfg.input, t[n("x_record")], t[n("x_scale")]))
