@@ -1,9 +1,5 @@
-"""The functional frame: workspaces in, workspaces out, routed by module path.
-
-`functional_call` runs a model with given parameters and workspaces and
-returns the updated workspaces instead of mutating anything, which is what
-lets torch.func.grad, vmap and torch.compile see a pure function.
-"""
+"""The functional frame: workspaces in, workspaces out, routed by module path. Returning the
+updated workspaces instead of mutating anything lets torch.func and torch.compile see pure functions."""
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +39,7 @@ def _prefix(path: str) -> str:
 
 
 def _layer_specs(model: nn.Module, recipe, batch_scope: bool = False):
-    """(path, module, {op-local name: Entry}) of every te_func layer of `model`; with
-    batch_scope, each layer's batch-scope entries too."""
+    """(path, module, {op-local name: Entry}) of every te_func layer, with batch_scope's too."""
     return [(path, m, {**m.workspace_spec(recipe), **(m.batch_scope_spec(recipe) if batch_scope else {})})
             for path, m in _te_modules(model)]
 
@@ -58,8 +53,7 @@ def workspace_spec(model: nn.Module, recipe) -> dict[str, Entry]:
 
 
 def batch_scope_spec(model: nn.Module, recipe) -> dict[str, Entry]:
-    """The entries a call in batch scope adds to `model`'s workspaces under `recipe` (the batch's
-    amaxes, te_func.quant.workspace); empty where the recipe has no tensor-wise current scale."""
+    """The entries (the batch's amaxes) a call in batch scope adds to `model`'s workspaces."""
     _check_recipe(recipe)
     return {_prefix(path) + k: e for path, m in _te_modules(model) for k, e in m.batch_scope_spec(recipe).items()}
 
@@ -70,8 +64,7 @@ def backward_keys(model: nn.Module, recipe) -> list[str]:
 
 
 def backward_weights(model: nn.Module, recipe) -> dict[str, torch.Tensor | None]:
-    """Each entry that backward updates (backward_keys) -> the GEMM weight parameter of the GEMM
-    whose backward updates it (None where the layer has no such attribute)."""
+    """Each of backward_keys -> the weight of the GEMM whose backward updates it (or None)."""
     _check_recipe(recipe)
     return {_prefix(path) + k: getattr(m, g.weight, None)
             for path, m in _te_modules(model) for g in m.gemms()
@@ -110,14 +103,13 @@ def mark_static(tensors) -> None:
             torch._dynamo.mark_static_address(t, guard=False)
 
 
-# Entries whose fingerprint was read already: id -> (weak reference, version, value). Reading
-# a CUDA tensor waits for the device; an eager loop passes the same entry call after call.
+# id -> (weak reference, version, value) of fingerprints read: reading one waits for the device.
 _fingerprints_seen: dict[int, tuple] = {}
 
 
 def _recipe_made_for(t: torch.Tensor) -> tuple[int, int] | None:
-    """(format version, fingerprint) stored in a RECIPE_KEY entry, or None where it cannot be
-    read without breaking a transform (under torch.compile, inside vmap over stacked workspaces)."""
+    """(format version, fingerprint) of a RECIPE_KEY entry, or None where a read would break a
+    transform (torch.compile, vmap over stacked workspaces)."""
     if torch.compiler.is_compiling() or _compat.is_wrapped(t):
         return None
     seen = _fingerprints_seen.get(id(t))
@@ -179,13 +171,11 @@ def _made_for_problem(ws: dict, recipe) -> WorkspaceError | None:
 
 
 def _entry_problems(model, ws, recipe, owners: dict, dropped: set):
-    """Yields a WorkspaceError for each entry of `ws` that does not fit `model`
-    under `recipe`; fills `owners` with {id(module): (path, entry names, those backward reads as given)}
-    and `dropped` with the kinds of entries the model has and `ws` holds none of ("cast", "batch_amax")."""
+    """Yields a WorkspaceError for each entry of `ws` that does not fit `model` under `recipe`; fills
+    `owners` (as validate_workspaces returns it) and `dropped` (the kinds `ws` holds none of)."""
     expected = {RECIPE_KEY}
     layers = _layer_specs(model, recipe, batch_scope=True)
-    # Batch scope (te_func.vmapped) adds every batch-scope entry of the model, or none; workspaces
-    # made with weight_cache=False hold no weight cast (init_workspaces), others every one.
+    # Batch-scope entries come all or none; so do weight casts (none: weight_cache=False).
     for kind in ("batch_amax", "cast"):
         keys = [_prefix(path) + k for path, _, spec in layers for k, e in spec.items() if e.kind == kind]
         if keys and not any(k in ws for k in keys):
@@ -194,10 +184,9 @@ def _entry_problems(model, ws, recipe, owners: dict, dropped: set):
         dropped.remove("cast")
     for path, m, spec in layers:
         spec = {k: e for k, e in spec.items() if e.kind not in dropped}
-        # What a call's backward depends on as the call was given it: the grad histories (their
-        # gradient carries the backward amax) and the random streams (backward draws from them).
+        # What a call's backward reads as the call was given it: grad histories, random streams.
         owners[id(m)] = (path, tuple(spec), tuple(k for k, e in spec.items() if e.backward or e.stream))
-        # A model on "meta" (the usual base of a vmapped ensemble) says nothing about devices.
+        # A model on "meta" (a vmapped ensemble's base) says nothing about devices.
         device = next((p.device for p in m.parameters() if p.device.type != "meta"), None)
         for name, e in spec.items():
             entry = _prefix(path) + name
@@ -253,8 +242,7 @@ def keeps_weight_casts(model, ws, recipe) -> bool:
 
 
 def _validate(model, ws, recipe) -> tuple[dict, bool]:
-    """validate_workspaces' owners, and whether `ws` keeps weight casts (False for the
-    workspaces of init_workspaces(..., weight_cache=False) of a model with FP8 GEMMs)."""
+    """validate_workspaces' owners, and keeps_weight_casts' answer."""
     if not isinstance(ws, dict):
         raise TypeError(f"workspaces must be the dict from tef.init_workspaces(model, recipe), got {type(ws).__name__}")
     _check_recipe(recipe)
@@ -274,9 +262,8 @@ def _validate(model, ws, recipe) -> tuple[dict, bool]:
     return owners, "cast" not in dropped
 
 
-# torch.func.functional_call swaps the given tensors into the module's attributes for the
-# duration of the call: two threads calling it on one model would see each other's. Each
-# model's eager calls therefore take turns; compiled code reads its inputs, not the attributes.
+# torch.func.functional_call swaps the given tensors into the module's attributes while it runs:
+# a model's eager calls take turns across threads (compiled code reads its inputs instead).
 _locks: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
 _locks_lock = threading.Lock()
 
@@ -324,8 +311,7 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
                   watch=_watch, weight_cache=weight_cache)
     with _model_lock(model), push(frame), distributed.gathered_params(model, params) as params:
         out = torch.func.functional_call(model, params, args, kwargs or {})
-    # Plain state, whichever way the caller differentiates: a weight cast's scale or a grad
-    # history made under autograd would otherwise carry the step's graph into the next step.
+    # Plain state: an entry made under autograd would carry the step's graph into the next step.
     new_ws = {k: v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v
               for k, v in {**ws, **frame.updates}.items()}
     if group is not None:   # the forward's amaxes (input and weight roles), as TE reduces them after a forward
@@ -335,8 +321,7 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
 
 
 def _refuse_second_differentiated_call(model, owners: dict, scopes: list, backward: list) -> None:
-    """Refuses a layer with backward-time state (DelayedScaling's grad histories) in a second
-    functional_call inside one tef.grad: its backward amax would be lost, not recorded."""
+    """Refuses a layer with grad histories in a second functional_call inside one tef.grad."""
     keys = set(backward)
     layers = {i: path for i, (path, names, _) in owners.items() if any(_prefix(path) + n in keys for n in names)}
     for scope in scopes:
@@ -356,10 +341,8 @@ def _refuse_second_differentiated_call(model, owners: dict, scopes: list, backwa
 
 @contextlib.contextmanager
 def autocast(recipe):
-    """Run te_func modules called inside in FP8 per `recipe`, caching nothing.
-
-    For stateless recipes only: DelayedScaling needs workspaces (functional_call / Stateful).
-    """
+    """Run te_func modules called inside in FP8 per `recipe`, caching nothing (stateless recipes
+    only: DelayedScaling needs workspaces)."""
     _check_recipe(recipe)
     with push(Frame(recipe)):
         yield
@@ -373,15 +356,13 @@ def _split_aux(out, fn_name):
 
 
 def _carries_state(t) -> bool:
-    # The entries a backward can write to: float32 ones (amax histories, among scales and
-    # scale factors). The frame says afterwards which of them backward did write.
+    # The entries a backward can write to (amax histories are float32); the frame says which did.
     return isinstance(t, torch.Tensor) and t.dtype == torch.float32
 
 
 def _grad_and_value(fn, argnums, fn_name, args, kwargs):
-    """torch.func.grad_and_value of fn(params, ws, ...) -> (loss, new_ws) w.r.t. `argnums`
-    and the workspace entries that backward updates. Returns (grads, loss, new_ws), the
-    backward-time state merged into new_ws."""
+    """torch.func.grad_and_value of fn(params, ws, ...) -> (loss, new_ws) w.r.t. `argnums` and the
+    entries backward updates, which are merged into new_ws: (grads, loss, new_ws)."""
     if len(args) < 2 or not isinstance(args[1], dict):
         raise TypeError(f"{fn_name}: call it as f(params, ws, ...), ws being the workspace dict from "
                         f"tef.init_workspaces; got {len(args)} positional argument(s)")
@@ -389,18 +370,15 @@ def _grad_and_value(fn, argnums, fn_name, args, kwargs):
     if 1 in nums:
         raise ValueError(f"{fn_name}: argnums must not include 1 (the workspaces): they are state, not "
                          f"parameters; their backward-time updates come back in new_ws")
-    # Which entries backward updates is known only to the functional_calls inside fn (each
-    # knows its model): differentiate every entry that can carry such state, and merge what
-    # the calls declare (te_func.quant.workspace.Entry.backward) into new_ws.
+    # Only the functional_calls inside fn know which entries backward updates: differentiate every
+    # entry that can carry such state, and merge those the calls declare (Entry.backward).
     state = {k: v for k, v in args[1].items() if _carries_state(v)}
     scope = CallScope(differentiated={})
-    # FSDP-sharded (DTensor) parameters: gathered before, gradients reduce-scattered after
-    # (te_func.distributed._fsdp).
+    # FSDP-sharded parameters: gathered before, gradients reduce-scattered after.
     args, shard_specs = distributed.gathered_for_grad(args, nums)
 
     def with_state(*a, **k):
-        # Not `*user, st = a`: dynamo in torch 2.11 traces that starred target as a tuple and
-        # then breaks the graph at the item assignment below.
+        # Not `*user, st = a`: torch 2.11's dynamo makes that a tuple and breaks at the assignment.
         user, st = list(a[:-1]), a[-1]
         user[1] = {**user[1], **st}   # the entries as separate inputs, so that they get gradients
         return _split_aux(fn(*user, **k), fn_name)

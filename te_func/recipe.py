@@ -18,8 +18,7 @@ import torch
 __all__ = ["Format", "QParams", "MMParams", "DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling",
            "Float8BlockScaling", "NVFP4BlockScaling", "Recipe", "ROLES", "fingerprint"]
 
-# The tensors a GEMM layer quantizes: its input (activations), its weight,
-# and the gradient of its output in backward.
+# The tensors a GEMM layer quantizes: its input, its weight, and its output's gradient.
 ROLES = ("input", "weight", "grad")
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 
@@ -54,11 +53,9 @@ def _static_default(f: dataclasses.Field):
 
 
 def _remember_fingerprint(recipe) -> None:
-    # Workspaces record which recipe made them by this number (te_func.quant.workspace).
-    # Its text is the class and the fields that differ from their defaults, so a field
-    # added later (with its default) leaves the fingerprints of existing recipes alone.
-    # Computed once here: torch.compile reads an attribute of a constant recipe as a
-    # constant, but would not trace sha256.
+    # Workspaces record their recipe by this number: of the class and the fields that differ from
+    # their defaults, so a field added later leaves fingerprints alone. Computed once here, as
+    # torch.compile reads a constant's attribute but would not trace sha256.
     changed = [f"{f.name}={getattr(recipe, f.name)!r}" for f in dataclasses.fields(recipe)
                if getattr(recipe, f.name) != _static_default(f)]
     object.__setattr__(recipe, "_fingerprint", _digest(f"{type(recipe).__name__}({', '.join(changed)})"))
@@ -152,12 +149,8 @@ def _check_qparams(recipe, name: str, fields=("fp8_quant_fwd_inp", "fp8_quant_fw
 
 @dataclass(frozen=True)
 class DelayedScaling:
-    """Tensor-wise scales computed from a history of past amaxes.
-
-    scale = (fp8_max / amax) / 2**margin, amax = max over the history
-    ("max") or its newest entry ("most_recent"). The state lives in
-    workspaces (te_func.quant.workspace); docs/delayed.md has the rules.
-    """
+    """Tensor-wise scales from a history of past amaxes: scale = (fp8_max / amax) / 2**margin,
+    amax the history's max or newest entry (docs/delayed.md)."""
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
@@ -233,11 +226,8 @@ class MXFP8BlockScaling:
 
 @dataclass(frozen=True)
 class Float8BlockScaling:
-    """DeepSeek-style blocks: 1x128 for inputs and gradients, 128x128 for weights.
-
-    Scales are fp32, rounded down to powers of 2 unless use_f32_scales
-    (NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1) or a role's QParams says otherwise.
-    """
+    """DeepSeek-style blocks: 1x128 for inputs and gradients, 128x128 for weights. Scales are fp32,
+    powers of 2 unless use_f32_scales (NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1) or QParams say otherwise."""
     use_f32_scales: bool = _env_flag("NVTE_FP8_BLOCK_SCALING_FP32_SCALES")
     fp8_format: Format = Format.E4M3
     fp8_quant_fwd_inp: QParams = field(default_factory=lambda: QParams(power_2_scale=True))

@@ -1,9 +1,5 @@
-"""`Stateful`: the one place te_func mutates anything.
-
-It holds a model and its workspaces and threads them through
-`functional_call` step after step, so a te_func model trains like any
-PyTorch module (`shell(x)`, `loss.backward()`, `optimizer.step()`).
-"""
+"""`Stateful`: the one place te_func mutates anything. It threads a model's workspaces through
+`functional_call` step after step, so the model trains like any PyTorch module."""
 from __future__ import annotations
 
 import functools
@@ -33,8 +29,7 @@ WORKSPACES_FILE = "te_func_workspaces.safetensors"
 
 
 def _call_saying_what_changed(model, *args, **kwargs):
-    """functional_call for an eager shell call: workspaces that no longer fit the model mean that
-    its te_func layers changed since the shell made them, and the error says so."""
+    """functional_call for an eager shell call, saying that a misfit means the layers changed."""
     try:
         return functional_call(model, *args, **kwargs)
     except (MissingEntryError, UnknownEntryError) as e:
@@ -50,9 +45,8 @@ _WEIGHTS_ONLY = ("the checkpoint has no workspace entries (workspaces.*): it hol
 
 
 def _after_load(shell: Stateful, incompatible_keys):
-    # A load_state_dict post-hook: it runs once the model below has its weights, so fresh
-    # workspaces (a weights-only checkpoint) are made from the loaded weights. A strict load
-    # then fails on the workspace entries reported missing here.
+    # A load_state_dict post-hook: once the model has its weights, a weights-only checkpoint gets
+    # fresh workspaces made from them (and a strict load fails on the entries reported missing).
     pending, shell._pending_load = shell._pending_load, None
     if pending is None:
         return
@@ -66,10 +60,8 @@ def _after_load(shell: Stateful, incompatible_keys):
 
 
 class _WorkspaceBuffers(nn.Module):
-    """The shell's workspaces as the buffers of its submodule `workspaces`, where tensor-collection
-    tools look (named_buffers; tensordict's from_module and to_module): its buffer dict is the
-    shell's current workspace dict itself. The shell saves, loads and moves them; this module
-    does none of that, so state_dict keys and .half() are as they were."""
+    """The shell's workspaces as buffers, where tools look (named_buffers, tensordict): its buffer
+    dict is the shell's workspace dict. The shell saves, loads and moves them, this module not."""
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass
@@ -84,24 +76,14 @@ class _WorkspaceBuffers(nn.Module):
 class Stateful(nn.Module):
     """`shell = Stateful(model, recipe)`; `out = shell(x, is_first_microbatch=...)`.
 
-    `shell.parameters()` are the model's; `shell.workspaces` is the current
-    workspace dict (replaced, never modified, by each call), also the buffers of
-    the submodule `workspaces` (named_buffers, tensordict); the state_dict holds
-    both (workspace entries under `workspaces.`), also as a submodule of a larger
-    model, and `.to(device)` moves both.
+    `shell.parameters()` are the model's; `shell.workspaces` is the current workspace dict (each
+    call replaces it), also the buffers of the submodule `workspaces`. The state_dict holds both
+    (entries under `workspaces.`) and `.to(device)` moves both. Under DelayedScaling, backward
+    records the grad-output amaxes into the current step's slot whatever the backward is asked for,
+    eager or compiled (docs/stateful.md).
 
-    Under DelayedScaling, backward records the grad-output amaxes into
-    `shell.workspaces`, merged by max into the current step's slot, whatever the
-    backward is asked for (`loss.backward()`, `backward(inputs=...)`,
-    `torch.autograd.grad`), eager or compiled: see docs/stateful.md for when.
-
-    amax_group: with DelayedScaling(reduce_amax=True) under torch.distributed, the ranks
-    whose amaxes are all-reduced, after each forward and each backward (None: the default
-    group; see te_func.distributed.amax_reduction_group).
-
-    weight_cache=False keeps no weight casts between calls (tef.init_workspaces): less
-    resident memory for steps of one microbatch, which call with is_first_microbatch=None.
-    """
+    amax_group: the ranks DelayedScaling(reduce_amax=True) all-reduces over (None: the default group).
+    weight_cache=False keeps no weight casts between calls (is_first_microbatch=None only)."""
 
     def __init__(self, model: nn.Module, recipe, *, amax_group=None, weight_cache: bool = True):
         super().__init__()
@@ -129,12 +111,9 @@ class Stateful(nn.Module):
     @property
     def workspaces(self) -> dict:
         """The current workspace dict: keyed by module path, as tef.init_workspaces makes it."""
-        # A compiled call's backward leaves its amaxes in the inboxes and tells nobody when it
-        # ran without computing the gradient of a GEMM weight the shell watches (autograd.grad(
-        # loss, [x]); under FSDP, whose gathered weights get the gradients, any backward):
-        # merged here. Not under amax reduction, where a merge is a collective that a read on
-        # one rank alone would hang: there they wait for the next call (docs/stateful.md).
-        # Inside a compiled graph the call merges them itself (forward).
+        # A compiled backward that computed no watched weight's gradient (autograd.grad(loss, [x]);
+        # any under FSDP) tells nobody of its amaxes: merged here. Not under amax reduction, where
+        # a merge is a collective a read on one rank would hang: the next call merges them.
         if self._amax_reduction is None and not torch.compiler.is_compiling():
             self._merge_pending()
         return self._workspaces
@@ -145,8 +124,7 @@ class Stateful(nn.Module):
         self._set_workspaces(ws)
 
     def _check_fits(self, ws: dict, who: str):
-        # Checked before anything is replaced: a dict of another model or recipe leaves the
-        # shell as it was.
+        # Checked before anything is replaced: a misfit leaves the shell as it was.
         try:
             holds_casts = keeps_weight_casts(self.model, ws, self.recipe)
         except (KeyError, ValueError, TypeError) as e:
@@ -158,8 +136,7 @@ class Stateful(nn.Module):
             raise ValueError(f"{who}: the workspaces keep no weight casts (weight_cache=False) and this shell keeps "
                              f"them; the shell is left as it was")
 
-    # The current dict lives as the buffer dict of the `workspaces` submodule (_WorkspaceBuffers):
-    # one dict, which each call replaces.
+    # The current dict is the `workspaces` submodule's buffer dict, which each call replaces.
     @property
     def _workspaces(self) -> dict:
         return cast(nn.Module, self._modules["workspaces"])._buffers
@@ -170,9 +147,8 @@ class Stateful(nn.Module):
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
-        # DistributedDataParallel broadcasts a module's buffers from rank 0, in place, before each
-        # forward: the workspaces, which the shell replaces and never modifies, and keeps in step
-        # across ranks itself (amax_group), are left out, as they were before they were buffers.
+        # DDP broadcasts buffers from rank 0, in place, before each forward: not the workspaces,
+        # which the shell replaces and keeps in step across ranks itself (amax_group).
         return [f"workspaces.{k}" for k in self._workspaces]
 
     def __setattr__(self, name, value):
@@ -187,43 +163,34 @@ class Stateful(nn.Module):
         self._make_sinks_and_inboxes()
 
     def _make_sinks_and_inboxes(self):
-        # Each op computes its backward amax only where its grad history requires grad. Eager
-        # calls make a leaf per call and hear of the amax from the op's node (see forward).
-        # Compiled calls read each grad history as `entry + sink` through DeliverToInboxes: the
-        # sink is a zero leaf made here (outside the graph), the same each call, which never
-        # gets a gradient. Sinks and inboxes live in plain dicts, not as parameters or buffers:
-        # no optimizer or state_dict sees them.
+        # An op computes its backward amax only where its grad history requires grad. Compiled
+        # calls read each history as `entry + sink` through DeliverToInboxes, the sink a zero leaf
+        # made here, outside the graph. Plain dicts: no optimizer or state_dict sees them.
         self._backward_keys = backward_keys(self.model, self.recipe)
         with torch.inference_mode(False):       # a shell made under inference_mode: normal tensors
             self._sinks = {k: torch.zeros_like(self._workspaces[k]).requires_grad_() for k in self._backward_keys}
             self._inboxes = {k: torch.zeros_like(self._workspaces[k]) for k in self._backward_keys}
         mark_static(self._inboxes.values())
-        # Whether a compiled call ran since the inboxes were made: its backward may fill them
-        # at any time later, so calls and reads merge them first.
+        # Whether a compiled call ran since: its backward may fill the inboxes at any time.
         self._compiled = False
         self._merge_queued_for = None       # the backward (graph task id) whose end merges the inboxes
         self._watch_weights(weakref.ref(self))
 
     def _merge_pending(self):
-        """Merge what compiled calls' backwards left in the inboxes into the workspaces
-        (collective under amax reduction: every rank calls it)."""
+        """Merge the inboxes into the workspaces (a collective under amax reduction)."""
         if self._compiled:
             self._workspaces = self._merged(self._workspaces)
 
     def _merged(self, ws: dict) -> dict:
-        """`ws` with each inbox merged into its history by max (all-reduced under amax
-        reduction), the inboxes left empty."""
+        """`ws` with each inbox merged into its history by max, the inboxes left empty."""
         keys = self._backward_keys
         merged = dict(zip(keys, backward_state.merge_inboxes([ws[k] for k in keys], [self._inboxes[k] for k in keys])))
-        # Slot 0 of each history, the same on every rank before the merge, all-reduced after
-        # it: max over the ranks of each rank's amaxes, as TE reduces after a backward.
+        # Slot 0 all-reduced by max over the ranks, as TE reduces after a backward.
         return {**ws, **distributed.reduce_amax_slots(merged, self._amax_reduction)}
 
     def _watch_weights(self, me):
-        # Each GEMM weight that trains tells the shell when a backward computes its gradient, so
-        # that a compiled call's amaxes join the histories as that backward ends. Hooks are
-        # tensors' own: copies and pickles of the parameters drop them, and the copy's shell
-        # registers its own.
+        # Each trained GEMM weight tells the shell when a backward computes its gradient, so that
+        # a compiled call's amaxes join the histories as it ends (copies register their own).
         hooks = getattr(self, "_weight_hooks", None)
         if hooks is None:
             hooks = self._weight_hooks = []
@@ -265,9 +232,8 @@ class Stateful(nn.Module):
                 f"with tef.functional_call there and thread its workspaces (docs/functional.md), or evaluate "
                 f"under torch.no_grad()")
         if self._backward_keys and (compiling or self._compiled):
-            # Amaxes that earlier backwards left in the inboxes go into the step they belong to,
-            # before this call's frame updates and rolls the histories. In a compiled call
-            # always: a Python flag read here would be one more guard, and one more graph.
+            # Earlier backwards' amaxes join their step before this call rolls the histories
+            # (compiled: always, as a flag read here would be one more guard).
             ws = self._merged(ws)
         if torch.is_grad_enabled() and self._backward_keys:
             if compiling:
@@ -278,9 +244,8 @@ class Stateful(nn.Module):
                 ws = {**ws, **dict(zip(keys, read))}
                 self._compiled = True
             else:
-                # A leaf per call and a hook on each op's node: backwards may come in any order,
-                # and the op reports its amax even where autograd drops the leaf's gradient
-                # (autograd.grad(loss, params), backward(inputs=...)).
+                # A leaf per call and a hook on each op's node: backwards come in any order, and
+                # the op reports its amax even where autograd drops the leaf's gradient.
                 ws = {**ws, **{k: ws[k].detach().requires_grad_() for k in self._backward_keys}}
                 watch = self._watcher()
         run = functional_call if compiling else _call_saying_what_changed
@@ -307,9 +272,7 @@ class Stateful(nn.Module):
         ours = [k for k in state_dict if k.startswith(p)]
         unexpected_keys[:] = [k for k in unexpected_keys if not k.startswith(p)]
         device = next(self.model.parameters(), torch.empty(0)).device
-        # A model built on the meta device gets its weights after this (load_state_dict(...,
-        # assign=True) loads the shell before the model inside): the entries stay where they
-        # are until then (_after_load).
+        # A model on meta gets its weights after this (assign=True): the entries wait (_after_load).
         ws = {k[len(p):]: state_dict[k] if device.type == "meta" else state_dict[k].to(device) for k in ours}
         if any(k.startswith("te_func.recipe=") for k in ws) or _format_of(ws) == 2:     # an earlier te_func's
             ws = upgrade_workspaces(ws, self.model, self.recipe)
@@ -329,9 +292,8 @@ class Stateful(nn.Module):
         self._pending_load = (ws, prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Parameters and workspaces. A checkpoint of weights only (no `workspaces.` entries)
-        loads with strict=False, which makes fresh workspaces from the loaded weights; so does
-        the model's own state_dict (keys without the `model.` prefix)."""
+        """Parameters and workspaces. Weights only (or the model's own state_dict) load with
+        strict=False, which makes fresh workspaces from the loaded weights."""
         own = self.model.state_dict().keys()
         if state_dict and not any(k.startswith(("model.", _WS)) for k in state_dict):
             if not set(state_dict) & set(own):
@@ -351,8 +313,7 @@ class Stateful(nn.Module):
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _apply(self, fn, recurse=True):
-        # .to(device) / .cuda() move the workspaces with the parameters; a dtype change (.half(),
-        # .to(torch.bfloat16)) leaves them alone: casts and amax histories keep their own dtypes.
+        # A device move takes the workspaces along; a dtype change (.half()) leaves them alone.
         super()._apply(fn, recurse)
         moved = {}
         for k, v in self.workspaces.items():
@@ -362,9 +323,8 @@ class Stateful(nn.Module):
         return self
 
     def __getstate__(self):
-        # copy.deepcopy and pickle: the copy holds the workspaces as a read gives them, and
-        # __setstate__ makes its own sinks, inboxes, weight hooks and signed forward (hooks and
-        # the forward, which calls this shell, cannot be copied).
+        # deepcopy and pickle: the workspaces as a read gives them; __setstate__ makes the copy's
+        # own sinks, inboxes, weight hooks and signed forward.
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
         state["_workspaces"] = self.workspaces
@@ -386,9 +346,8 @@ class Stateful(nn.Module):
     # --- what libraries read of the model it wraps --------------------------------------------
 
     def _show_model_signature(self):
-        """`shell.forward` with the wrapped model's signature (and is_first_microbatch): HF
-        Trainer keeps only the batch keys a model's forward names (remove_unused_columns), which
-        Stateful.forward(*args, **kwargs) would hide. An attribute of this shell, calling it."""
+        """`shell.forward` with the wrapped model's signature (and is_first_microbatch): HF Trainer
+        keeps only the batch keys a forward names, which `*args, **kwargs` would hide."""
         try:
             params = list(inspect.signature(self.model.forward).parameters.values())
         except (TypeError, ValueError):         # a forward without a signature: the shell's own
@@ -406,8 +365,7 @@ class Stateful(nn.Module):
         self.__dict__["forward"] = forward
 
     def __getattr__(self, name: str):
-        # The wrapped model's public attributes, for libraries that read them from the module they
-        # are given (HF Trainer: config, main_input_name, can_generate, gradient_checkpointing_enable).
+        # The wrapped model's public attributes, for libraries that read them (HF Trainer: config).
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -417,10 +375,8 @@ class Stateful(nn.Module):
             return getattr(model, name)
 
     def save_pretrained(self, save_directory, **kwargs):
-        """The wrapped model's own folder (`model.save_pretrained(save_directory, **kwargs)`: its
-        config and weights under its parameters' names, which `from_pretrained` loads) and the
-        workspaces beside it (`save_workspaces`). `load_workspaces(save_directory)` takes them
-        back into a shell of the reloaded, converted model; `load_pretrained` takes both back."""
+        """The wrapped model's own folder (`model.save_pretrained`, which `from_pretrained` loads)
+        and the workspaces beside it; `load_pretrained` takes both back."""
         if not hasattr(self.model, "save_pretrained"):
             raise TypeError(f"Stateful.save_pretrained: {type(self.model).__name__} has no save_pretrained (not a "
                             f"HuggingFace model); save the shell's state_dict instead")
@@ -434,8 +390,7 @@ class Stateful(nn.Module):
         safetensors.torch.save_file(ws, os.path.join(directory, WORKSPACES_FILE), metadata={"format": "pt"})
 
     def load_workspaces(self, directory):
-        """Take the workspaces `save_workspaces` wrote into `directory` (checked against this shell's
-        model and recipe, as `shell.workspaces = ws` is)."""
+        """The workspaces `save_workspaces` wrote into `directory`, checked as the setter checks."""
         ws = self._read_workspaces(directory, "Stateful.load_workspaces")
         self._check_fits(ws, "Stateful.load_workspaces")
         self._set_workspaces(ws)
@@ -451,10 +406,8 @@ class Stateful(nn.Module):
         return safetensors.torch.load_file(path, device=str(device))
 
     def load_pretrained(self, directory):
-        """The weights and workspaces `save_pretrained` wrote into `directory`, into this shell's
-        model in place; the shell is left as it was if either does not fit. The weights are read by
-        the model class's own `from_pretrained`, which knows how the folder stores them (shards,
-        tied weights, experts saved one by one), into a second copy on the CPU first."""
+        """The weights and workspaces `save_pretrained` wrote, in place; a misfit leaves the shell as
+        it was. The model class's `from_pretrained` reads the weights (shards, tied weights)."""
         if not hasattr(self.model, "save_pretrained"):
             raise TypeError(f"Stateful.load_pretrained: {type(self.model).__name__} has no save_pretrained (not a "
                             f"HuggingFace model); load the shell's state_dict instead")
@@ -476,10 +429,8 @@ class Stateful(nn.Module):
 
 
 def _outside_inference_mode(ws: dict) -> dict:
-    """`ws` with every entry made under torch.inference_mode as a normal tensor: an inference
-    tensor cannot be used outside it (no version counter), and an evaluation under
-    inference_mode leaves the shell's state as one under no_grad does (the forward's amaxes
-    recorded, no scale updated)."""
+    """`ws` with inference tensors as normal ones, which can be used outside inference_mode: an
+    evaluation there leaves the state as one under no_grad does."""
     if torch.compiler.is_compiling() or not any(isinstance(v, torch.Tensor) and v.is_inference()
                                                 for v in ws.values()):
         return ws

@@ -22,9 +22,8 @@ __all__ = ["SCOPES", "per_sample_grad", "per_sample_value_and_grad", "fold_works
 
 SCOPES = ("sample", "batch")
 
-# A sample's amax may exceed the batch's by the last bits where a GEMM's rows round differently
-# at another row count (a GPU's GEMM picks its kernel by shape); a loss that is not the sum of
-# the samples' (a mean over the batch) makes it larger by a factor of the batch size.
+# A sample's amax may exceed the batch's by the last bits (a GPU GEMM picks its kernel by shape);
+# a mean loss over the batch makes it larger by the batch size.
 _ADDITIVE_SLACK = 2.0 ** -10
 
 
@@ -34,20 +33,13 @@ def per_sample_value_and_grad(fn, in_dims=0, *, scope: str = "sample", chunk_siz
                               argnums=0, keepdim: bool = False):
     """Per-sample `tef.value_and_grad` of `fn(params, ws, *args) -> (loss, new_ws)`.
 
-    in_dims: for `args` only (params and ws are shared by every sample), as torch.func.vmap
-    takes it: an int for all of them, or one entry per argument (None for one every sample
-    shares). scope: "sample" or "batch" (module docstring). chunk_size: samples per vmap
-    call, as torch.func.vmap's (the same results, less memory). keepdim: pass each sample to
-    `fn` as a batch of one (its dim kept, of size 1) rather than without that dim, for models
-    whose forward needs a batch dim (a HuggingFace model: ids (1, seq) per sample); `fn` then
-    takes the batch and a sample alike.
-    Returns a function of `(params, ws, *args)` giving `(losses, grads, new_ws)`: losses
-    (batch,), every leaf of grads with a leading batch dim, new_ws in the shapes of ws
-    (fold_workspaces). In batch scope `fn` also runs once on the first sample without
-    gradients (which names the models' batch-scope entries) and, under current scaling, on the
-    whole batch, whose loss must then be the sum of the samples' losses (e.g.
-    `((out - y) ** 2).sum()`).
-    """
+    in_dims: for `args` only (params and ws are shared), as torch.func.vmap takes it. scope: "sample"
+    or "batch" (docs/functional.md). chunk_size: samples per vmap call. keepdim: pass each sample as
+    a batch of one, for models whose forward needs a batch dim (HuggingFace's).
+    Returns a function of `(params, ws, *args)` giving `(losses, grads, new_ws)`: losses (batch,),
+    grads with a leading batch dim, new_ws in the shapes of ws. In batch scope `fn` also runs once on
+    the first sample without gradients and, under current scaling, on the whole batch, whose loss
+    must then be the sum of the samples' losses."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}: 'sample' quantizes each sample "
                          f"on its own, 'batch' with the scales of the whole batch")
@@ -73,14 +65,12 @@ def per_sample_value_and_grad(fn, in_dims=0, *, scope: str = "sample", chunk_siz
             _check_shared(shared)
             return loss, grads, records, shared
 
-        # Every output at dim 0: vmap expands an unbatched one (a shared entry) as a view, which
-        # [0] takes back without a copy. (out_dims None would refuse what an outer vmap batched,
-        # an ensemble's members.)
+        # Every output at dim 0: an unbatched one is an expanded view, which [0] takes back without a
+        # copy (out_dims None would refuse what an outer vmap batched).
         vmapped = torch.func.vmap(one_sample, in_dims=(None, None, *dims))
         losses, grads, folded, shared = [], [], {}, {}
         with push_call_scope(call):
-            # Chunked here, not by vmap's chunk_size: that would concatenate the shared entries'
-            # copies, and the records need only their max.
+            # Chunked here: vmap's chunk_size would concatenate copies whose max alone is needed.
             for chunk in _chunks(args, dims, chunk_size):
                 loss, grad, records, shared = vmapped(params, {**ws, **batch}, *chunk)
                 losses.append(loss)
@@ -182,13 +172,9 @@ def _cat(chunks: list):
 
 
 def _batch_amaxes(step, fn, params, ws, args, dims, keepdim: bool) -> dict:
-    """The batch-scope entries (te_func.quant.workspace) filled with the whole batch's amaxes.
-
-    Which entries the models inside `fn` have is known only to its functional_calls: one
-    forward of the first sample, without gradients, names them. Then tef.grad of the whole
-    batch records them: the inputs' in forward, the output gradients' in backward (merged by
-    max, as the grad histories are). Empty where no recipe has a tensor-wise current scale.
-    """
+    """The batch-scope entries filled with the whole batch's amaxes (empty without a tensor-wise current
+    scale): a gradient-free forward of the first sample names them, then tef.grad of the whole batch
+    records them (the output gradients' in backward, merged by max)."""
     names = CallScope()
     with push_call_scope(names), torch.no_grad():
         fn(params, ws, *_first_sample(args, dims, keepdim))
@@ -202,9 +188,8 @@ def _batch_amaxes(step, fn, params, ws, args, dims, keepdim: bool) -> dict:
 
 
 def _check_shared(shared: dict):
-    # Casts and scales come from the shared parameters and state alone; one that differs
-    # between samples means something per-sample reached it (eager mode: compiled code has no
-    # batching levels to ask about).
+    # Casts and scales come from shared state alone: one that differs between samples is an error
+    # (eager mode only).
     if torch.compiler.is_compiling():
         return
     level = _compat.current_level()
@@ -216,8 +201,7 @@ def _check_shared(shared: dict):
 
 
 def _check_additive(batch: dict, folded: dict):
-    # Reading the amaxes waits for the device, and compiled or transformed code has no values
-    # to branch on: checked in eager mode only.
+    # Reading the amaxes waits for the device: checked in eager mode only.
     if not batch or torch.compiler.is_compiling() or any(
             _compat.is_wrapped(v) for v in folded.values()):
         return
@@ -241,10 +225,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def fold_workspaces(model: torch.nn.Module, ws: dict, recipe) -> dict:
-    """Per-sample workspaces (every entry with a leading sample dim, as torch.func.vmap over
-    tef.grad returns them for `model`) as one set in the workspaces' own shapes: the amax
-    records by max over the samples, every other entry once (it must be the same in every
-    sample; checked in eager mode). Batch-scope entries are dropped."""
+    """Per-sample workspaces (a leading sample dim, as vmap over tef.grad returns them) as one set:
+    the amax records by max over the samples, every other entry once; batch-scope entries dropped."""
     spec = {**workspace_spec(model, recipe), **batch_scope_spec(model, recipe)}
     t = ws.get(RECIPE_KEY)
     if not isinstance(t, torch.Tensor) or t.dim() != len(RECIPE_ENTRY.shape) + 1:
@@ -312,9 +294,8 @@ def unstack_workspaces(ws: dict) -> list[dict]:
 
 
 def stack_module_state(models: Sequence[torch.nn.Module], recipe, workspaces: Sequence[dict] | None = None):
-    """torch.func.stack_module_state with the workspaces: `(params, buffers, ws)`, each leaf
-    stacked along a new dim 0 (one per model). `workspaces`: one set per model, checked
-    against it; by default fresh ones (tef.init_workspaces). vmap tef.functional_call over
+    """torch.func.stack_module_state with the workspaces: `(params, buffers, ws)` stacked along a
+    new dim 0. `workspaces`: one set per model (default: fresh ones). vmap tef.functional_call over
     all three with `models[0]` (or a copy on "meta") as the model."""
     models = list(models)
     if workspaces is None:

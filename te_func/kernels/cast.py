@@ -19,17 +19,14 @@ TILE_M, TILE_N = 128, 64      # rows x cols of x per program of the cast
 ACT_TILE_M, ACT_TILE_N = 32, 128   # ... of the activation (its column sums' order depends on ACT_TILE_M)
 # dtype -> (Triton type, mantissa bits, exponent bias)
 _FP8 = {torch.float8_e4m3fn: (tl.float8e4nv, 3, 7), torch.float8_e5m2: (tl.float8e5, 2, 15)}
-# The activations `_activation_kernel` computes: gelu(x), or x * gelu'(y) (x: the gradient
-# of the GELU's output, y: its input); `activation` takes them by name.
+# What `_activation_kernel` computes: gelu(x), or x * gelu'(y) (x the output's gradient, y the input).
 ACT_GELU, ACT_DGELU = tl.constexpr(1), tl.constexpr(2)
 ACTIVATIONS = {"gelu": ACT_GELU.value, "gelu_backward": ACT_DGELU.value}
-# te_func.ops.activations' GELU constants as torch rounds them to fp32: sqrt(2 / pi), 0.044715
-# and 3 * 0.044715 (a Python product, then rounded).
+# The GELU's constants as torch rounds them to fp32 (3 * 0.044715: a Python product, then rounded).
 K_SQRT_2_PI = tl.constexpr(0.7978845834732056)
 K_CUBE = tl.constexpr(0.044714998453855515)
 K_3CUBE = tl.constexpr(0.13414500653743744)
-# Round by integer arithmetic (_round_to_fp8_bits) instead of the hardware conversion:
-# always in Triton's interpreter, whose FP8 casts do not round to nearest even.
+# Round by integer arithmetic in Triton's interpreter, whose FP8 casts do not round to nearest even.
 SOFT_ROUND = os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TE_FUNC_CAST_SOFT_ROUND") == "1"
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -46,8 +43,7 @@ def _tanh(x):
 
 @triton.jit
 def _gelu(x):
-    # te_func.ops.activations._gelu, op for op in fp32 (launched without FMA contraction, as
-    # torch runs each op as its own rounded kernel).
+    # te_func.ops.activations._gelu, op for op in fp32 (no FMA contraction, as torch's eager ops).
     t = _tanh(K_SQRT_2_PI * (x + K_CUBE * (x * x * x)))
     return (0.5 * x) * (1.0 + t)
 
@@ -107,8 +103,7 @@ def _activation_kernel(x_ptr, y_ptr, b_ptr, v_ptr, amax_bits_ptr, colsum_ptr, M,
 
 @triton.jit
 def _amax_kernel(x_ptr, amax_bits_ptr, numel, iters, BLOCK: tl.constexpr):
-    # max |x| as the int32 bits of an fp32 >= 0, ordered like the floats; a NaN counts
-    # as 0 (te_func.quant.tensor.abs_skipping_nan: TE's fmax skips NaN).
+    # max |x| as the int32 bits of an fp32 >= 0, ordered like the floats; NaN counts as 0 (TE's fmax).
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for i in range(iters):        # program p reads blocks p, p + nprog, ...
@@ -120,9 +115,8 @@ def _amax_kernel(x_ptr, amax_bits_ptr, numel, iters, BLOCK: tl.constexpr):
 
 @triton.jit
 def _round_to_fp8_bits(v, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
-    """|v| <= fp8_max, not NaN -> the FP8 bits of v rounded to nearest even, as uint8,
-    subnormals included; integer arithmetic only, so it is exact on any backend
-    (Triton's interpreter rounds FP8 casts differently from the GPU)."""
+    """|v| <= fp8_max, not NaN -> the FP8 bits of v rounded to nearest even (uint8), subnormals
+    included, by integer arithmetic: exact on any backend."""
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
@@ -145,8 +139,7 @@ def _round_to_fp8_bits(v, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
 
 @triton.jit
 def _scale_from_amax(amax, fp8_max, amax_epsilon, POW2: tl.constexpr):
-    # te_func.quant.scheme.scale_from_amax: clamp to epsilon (NaN stays NaN), one
-    # correctly rounded division, inf -> FLT_MAX, amax 0 / inf / NaN -> 1.
+    # scale_from_amax: clamp to epsilon, one rounded division, inf -> FLT_MAX, amax 0 / inf / NaN -> 1.
     a = tl.where(amax < amax_epsilon, amax_epsilon, amax)
     scale = tl.math.div_rn(fp8_max + tl.zeros_like(a), a)
     scale = tl.where(scale == float("inf"), FLT_MAX, scale)
@@ -160,9 +153,8 @@ def _scale_from_amax(amax, fp8_max, amax_epsilon, POW2: tl.constexpr):
 @triton.jit
 def _fp8_bits(x, scale, fp8_max, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA: tl.constexpr,
               BIAS: tl.constexpr):
-    """te_func.quant.tensor._cast of fp32 x with `scale`, as the FP8 bits (uint8): fp32 product,
-    clamp to +-fp8_max, round to nearest even. A NaN product becomes the FP8 NaN 0x7F with its
-    sign, as torch's cast makes it (min/max here would drop the NaN)."""
+    """te_func.quant.tensor._cast of fp32 x with `scale`, as the FP8 bits (uint8); a NaN product
+    becomes the FP8 NaN 0x7F with its sign, as torch's cast makes it."""
     v = x * scale
     clamped = tl.minimum(tl.maximum(v, -fp8_max), fp8_max)
     if SOFT_ROUND:
@@ -214,10 +206,8 @@ def amax_bits(x: torch.Tensor) -> torch.Tensor:
 
 def cast(x2d: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_epsilon: float, power_2_scale: bool,
          scale: torch.Tensor | None, with_transpose: bool, amax: torch.Tensor | None = None):
-    """Tensor-wise FP8 cast of a contiguous (M, N) x: (data (M, N), data_t (N, M) or None,
-    scale_inv (), amax bits (1,) int32). `scale` given: delayed scaling (amax recorded
-    in the same pass); None: current scaling (the amax first, unless `amax` (bits, as
-    `amax_bits` returns) has it, then the scale from it)."""
+    """Tensor-wise FP8 cast of a contiguous (M, N) x: (data, data_t or None, scale_inv (), amax bits
+    (1,) int32). `scale`: delayed (the amax recorded in the same pass); None: current scaling."""
     m, n = x2d.shape
     if scale is not None:
         bits = torch.zeros(1, dtype=torch.int32, device=x2d.device) if amax is None else amax
@@ -237,9 +227,8 @@ def cast(x2d: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_epsilon: fl
 
 def activation(x2d: torch.Tensor, y2d: torch.Tensor | None, act: str, column_sums: bool,
                bias: torch.Tensor | None = None):
-    """The activation `act` (a key of ACTIVATIONS) of a contiguous (M, N) x (and y2d, the GELU's
-    input, for "gelu_backward"), the GELU's input plus `bias` (N,) of x's dtype where given:
-    (v (M, N) in x's dtype, max |v| as `amax_bits` returns it, v's column sums (N,) fp32 or None)."""
+    """The activation `act` (of ACTIVATIONS) of a contiguous (M, N) x (y2d: the GELU's input, for
+    "gelu_backward"), plus `bias`: (v, max |v| as amax bits, v's column sums fp32 or None)."""
     m, n = x2d.shape
     v = torch.empty_like(x2d)
     bits = torch.zeros(1, dtype=torch.int32, device=x2d.device)
@@ -252,20 +241,14 @@ def activation(x2d: torch.Tensor, y2d: torch.Tensor | None, act: str, column_sum
 
 
 # --- the casts a compiled graph calls -----------------------------------------------------------
-# Under torch.compile, a small x (a decode step's) is written with the max |x| of each of its
-# pieces by the pass that makes it: inductor's (a norm's rows, te_func.quant.tensor) or the
-# GELU kernel's tiles (`gelu_partials`); `cast_from_partials` then reduces those few partial
-# maxes in every program and casts its tile. Two launches per cast, where inductor's own
-# chain takes three (the partial maxes, their max, the cast), each launch costing about as
-# much as the work at these sizes.
+# Under torch.compile a small x is written with the max |x| of each of its pieces by the pass that
+# makes it (a norm's rows, or `gelu_partials`' tiles); `cast_from_partials` reduces those in every
+# program and casts its tile: two launches, where inductor's chain takes three.
 # Tiles of 1024 elements, 8 per thread: at a decode step's sizes, as many programs as SMs or more.
 PARTIALS_TILE_M, PARTIALS_TILE_N, PARTIALS_BLOCK = 16, 64, 1024
 GELU_PARTIALS_TILE_M, GELU_PARTIALS_TILE_N = 16, 64
-# A large x (`large=True`, a prefill's): the GELU kernel takes one max for all of v by an atomic,
-# and the cast reads that one partial. Inductor's chain would compute the GELU twice, once for
-# its amax and once in the cast, and the tanh sets the pace of each pass that computes it:
-# at (8192, 14336) bf16 on an H200, 428 us for inductor's two passes against 207 + 99 us for
-# these kernels at the tiles below, the best of those tried (benchmarks/probe_large_cast.py).
+# A large x (`large=True`, a prefill's): the GELU kernel takes one max of all of v by an atomic,
+# and the cast reads it; inductor would compute the tanh-bound GELU twice (docs/benchmarks.md).
 LARGE_GELU_TILE_M, LARGE_GELU_TILE_N = 32, 64
 LARGE_CAST_TILE_M, LARGE_CAST_TILE_N = 32, 128
 
@@ -299,10 +282,8 @@ def _partials_cast_kernel(x_ptr, out_ptr, scale_inv_ptr, partials_ptr, n_partial
 def cast_from_partials(x2d: torch.Tensor, partials: torch.Tensor, dtype: torch.dtype, fp8_max: float,
                        amax_epsilon: float, power_2_scale: bool,
                        large: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Current scaling's tensor-wise cast of a contiguous (M, N) x whose amax is the max of
-    `partials` (P,) fp32: (data (M, N) `dtype`, scale_inv (1,) fp32). `large`: x is a prefill's,
-    cast in larger tiles (the same bits). A Triton op: inductor and AOTInductor compile the
-    kernel into the graph that calls it."""
+    """Current scaling's cast of a contiguous (M, N) x whose amax is the max of `partials`: (data,
+    scale_inv (1,)). `large`: larger tiles, the same bits. A Triton op, compiled into the graph."""
     m, n = x2d.shape
     data = torch.empty((m, n), dtype=dtype, device=x2d.device)
     # (1,), not (): inductor copied a 0-d output of the kernel into a new buffer, one launch more.
@@ -337,12 +318,10 @@ def gelu_partials(x2d: torch.Tensor, bias: torch.Tensor | None,
     v = torch.empty_like(x2d)
     tile_m, tile_n = (LARGE_GELU_TILE_M, LARGE_GELU_TILE_N) if large else (GELU_PARTIALS_TILE_M, GELU_PARTIALS_TILE_N)
     grid = (triton.cdiv(m, tile_m), triton.cdiv(n, tile_n))
-    # Large: the tiles' maxes go into one word by an atomic max on its bits (fp32 >= 0 orders as
-    # int32), which must start at 0.
+    # Large: an atomic max on one word's bits (fp32 >= 0 orders as int32), which starts at 0.
     partials = torch.zeros((1,), dtype=torch.int32, device=x2d.device) if large else \
         torch.empty((grid[0] * grid[1],), dtype=torch.float32, device=x2d.device)
-    # The unused pointers (y, the column sums; the bias without one) get x, which the kernel only reads: a
-    # compiled graph must not see the written `partials` passed twice, as two tensors it could copy apart.
+    # Unused pointers get x, which is only read: a graph must not see the written `partials` twice.
     torch.library.wrap_triton(_activation_kernel)[grid](
         x2d, x2d, x2d if bias is None else bias, v, partials, x2d, m, n, ACT=ACT_GELU.value,
         HAS_BIAS=bias is not None, COLSUM=False, BLOCK_M=tile_m, BLOCK_N=tile_n,

@@ -23,8 +23,7 @@ __all__ = ["activation", "cast_from_partials", "cast_kernels_available", "delaye
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_NUMEL = 2**31 - 2**24     # int32 indexing in the kernels
-# On by default: bit-identical to the torch path (tests/kernels/test_kernels.py checks it on the
-# GPU). TE_FUNC_CAST_KERNELS=0 or set_cast_kernels(False) turns them off.
+# On by default (bit-identical); TE_FUNC_CAST_KERNELS=0 or set_cast_kernels(False) turns them off.
 _DEFAULT = "1"
 _enabled = os.environ.get("TE_FUNC_CAST_KERNELS", _DEFAULT) == "1"
 calls = {"fused": 0}           # how many casts the kernels made (tests check they ran)
@@ -48,18 +47,16 @@ def cast_kernels_available() -> bool:
 
 
 def set_cast_kernels(enabled: bool) -> bool:
-    """Use the fused casts where they apply (True) or always the torch path (False).
-    Returns the previous setting. The environment variable TE_FUNC_CAST_KERNELS=1/0
-    sets the initial value."""
+    """Use the fused casts where they apply (True) or always the torch path (False); returns the
+    previous setting."""
     global _enabled
     previous, _enabled = _enabled, bool(enabled)
     return previous
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor | None:
-    """The plain tensor under torch.func.grad's wrappers, or None when it is batched (vmap),
-    fake (tracing) or a subclass other than Parameter. A cast is not differentiable, so dropping
-    grad tracking changes nothing; autograd Functions' backward receives such wrapped gradients."""
+    """The plain tensor under torch.func.grad's wrappers (a cast is not differentiated), or None when
+    it is batched, fake or a subclass other than Parameter."""
     while _compat.is_wrapped(t):
         if not _compat.is_grad_tracking(t):
             return None
@@ -116,8 +113,7 @@ def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_ep
     kernels = _kernels("cast")
     if kernels is None:
         return None
-    # Inside torch.func.grad every op would wrap its output again: the kernels' tensors
-    # are made with functorch's dispatch off, and mix with wrapped ones as constants.
+    # With functorch's dispatch off, the kernels' tensors mix with wrapped ones as constants.
     with _compat.functorch_disabled():
         x_plain = _plain(x)
         scale_plain = None if scale is None else _plain(scale)
@@ -135,14 +131,11 @@ def tensorwise_cast(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_ep
         return data.reshape(x.shape), data_t, scale_inv, bits.view(torch.float32).reshape(())
 
 
-# The compiled casts take the two-launch path for tensors of at most COMPILED_CAST_ROWS rows (the
-# product of the leading dims: a decode step's tokens); past that, inductor's own amax chain,
-# whose launches no longer set the pace (except a GELU's output: `gelu_partials`). One threshold
-# for every tensor of a call, so that a dynamic token count splits into two graphs at most.
-# The partial maxes are each over a chunk of a row of at most PARTIAL_ROW elements (a norm's row
-# at the usual widths, which inductor then takes in the norm's own pass; a wider row in the fewest
-# equal chunks), at most MAX_PARTIALS of them, which every program of the cast reads: a width
-# that would need more keeps inductor's chain.
+# Compiled casts of at most COMPILED_CAST_ROWS rows (a decode step's tokens) take the two-launch
+# path; past that, inductor's own amax chain (but a GELU's output: `gelu_partials`). One threshold
+# for every tensor, so a dynamic token count makes two graphs at most. Each partial max covers a
+# row chunk of at most PARTIAL_ROW elements (a norm's row, taken in the norm's own pass), at most
+# MAX_PARTIALS of them; a width that needs more keeps inductor's chain.
 COMPILED_CAST_ROWS = 64
 PARTIAL_ROW, MIN_PARTIAL_ROW, MAX_PARTIALS = 4096, 256, 1024
 
@@ -159,9 +152,8 @@ def _gelu_tile() -> tuple[int, int]:
 
 
 def _compiled_op_applies(x: torch.Tensor) -> bool:
-    """Under torch.compile, x on an FP8-capable CUDA device where te_func's ops import. Under
-    torch.export only for a static shape: a size test on a dynamic dim would narrow the range
-    the exported program accepts."""
+    """Under torch.compile, x on an FP8-capable CUDA device where te_func's ops import (under
+    torch.export a static shape only: a size test would narrow the exported program's range)."""
     if not (_enabled and torch.compiler.is_compiling() and x.is_cuda and x.dtype in _INPUT_DTYPES):
         return False
     if torch.compiler.is_exporting() and not all(isinstance(d, int) for d in x.shape):
@@ -176,9 +168,7 @@ def _few_rows(x: torch.Tensor) -> bool:
 
 def partial_rows(x: torch.Tensor) -> int | None:
     """Under torch.compile: the length of the row chunks whose maxes `cast_from_partials` reads for
-    current scaling's cast of x, or None where it does not apply (eagerly `tensorwise_cast` does,
-    on CPU the torch path, for more than COMPILED_CAST_ROWS rows inductor's own amax). Decided by
-    x's shape: the width statically, the rows by a guard under a dynamic token count."""
+    current scaling's cast of x, or None where it does not apply; decided by x's shape."""
     # The device first: a CPU tensor never guards on its shape.
     if not _compiled_op_applies(x) or x.dim() < 1 or not isinstance(x.shape[-1], int) or x.shape[-1] == 0:
         return None     # (a dynamic width, rare, keeps inductor's chain rather than guard on it)
@@ -287,9 +277,8 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, 
 
 
 def _delayed(history: torch.Tensor, other: torch.Tensor, launch):
-    """launch(kernel module, history, other as a 0-d tensor) on the plain tensors, for a
-    DelayedScaling history on eager CUDA (fp32, 1-D, within one program of the kernels) and
-    one fp32 number; else None."""
+    """launch(kernel module, history, other as a 0-d tensor) for a DelayedScaling history on eager
+    CUDA (fp32, 1-D, one program's) and one fp32 number; else None."""
     # _applies first: it says no under torch.compile before anything else is traced.
     if not _applies(history) or history.dtype != torch.float32 or history.dim() != 1 \
             or other.dtype != torch.float32 or other.numel() != 1 or other.device != history.device:
@@ -307,9 +296,8 @@ def _delayed(history: torch.Tensor, other: torch.Tensor, launch):
 
 
 def delayed_update(history: torch.Tensor, scale: torch.Tensor, scaled_max: float, most_recent: bool):
-    """te_func.quant.delayed.delayed_update's arithmetic by one kernel, or None where it does not
-    apply: history (L,) and scale () fp32 -> (new history, new scale), the torch code's bits.
-    scaled_max: fp8_max * 2**-margin; most_recent: amax_compute_algo "most_recent" (else "max")."""
+    """delayed_update's arithmetic by one kernel (the same bits), or None: (new history, new scale).
+    scaled_max: fp8_max * 2**-margin; most_recent: amax_compute_algo "most_recent"."""
     out = _delayed(history, scale, lambda module, h, s: module.update(h, s, scaled_max, most_recent))
     return None if out is None else (out[0], out[1].reshape(scale.shape))
 
@@ -325,10 +313,8 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """(x (M, K) @ w (N, K).T) * scale_inv + bias in x's dtype by the Triton kernel, or None where it
-    does not apply: x bf16/fp16 on an FP8-capable CUDA device (or Triton's interpreter), w a
-    tensor-wise FP8 cast, scale_inv () fp32, bias (N,) of x's dtype or None, plain tensors
-    (te_func::weight_only_mm's implementation receives them so, eagerly or from a compiled graph)."""
+    """(x (M, K) @ w (N, K).T) * scale_inv + bias in x's dtype by the Triton kernel, or None: x
+    bf16/fp16 on an FP8-capable device (or Triton's interpreter), w a tensor-wise FP8 cast."""
     if not (_enabled and x.dim() == 2 and w.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
             and w.dtype in _FP8_DTYPES and scale_inv.dtype == torch.float32 and scale_inv.numel() == 1
             and x.shape[1] == w.shape[1] and min(x.shape[0], *w.shape) > 0

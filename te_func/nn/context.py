@@ -25,9 +25,7 @@ __all__ = ["Frame", "CallScope", "Binding", "push", "bind", "microbatch", "last_
 
 
 class _Stacks(threading.local):
-    # Made when a thread first touches them, never later: torch.compile guards on the
-    # attributes it reads, and a stack created during the first trace would recompile the
-    # function on the second call.
+    # Made when a thread first touches them: a stack created during a trace would recompile later.
     def __init__(self):
         self.frames: list = []
         self.call_scopes: list = []
@@ -53,23 +51,19 @@ class Frame:
     recipe: object
     # Flat workspace dict keyed by module path, or None under autocast (no caching).
     workspaces: dict | None = None
-    # id(module) -> (its path in the model, the names of its own entries, those its backward reads as
-    # the call was given them: grad histories, random streams)
+    # id(module) -> (its path, its entry names, those its backward reads as given)
     owners: dict = field(default_factory=dict)
     is_first_microbatch: bool | None = None
     updates: dict = field(default_factory=dict)    # entries written during this call
     level: int | None = None                       # transform_level() when the frame was pushed
-    # Whether a call that starts a step updates DelayedScaling's state: TE updates only while
-    # grad is enabled, decided when the frame opens (an activation checkpoint's no_grad
-    # forward inside a training step is still training). None: each layer's grad mode.
+    # Whether a step start updates DelayedScaling's state (TE: while grad is enabled), decided when
+    # the frame opens, so a checkpoint's no_grad forward still trains. None: each layer's grad mode.
     update_state: bool | None = None
     # A per-sample call in batch scope (te_func.vmapped): the batch amaxes give the scales.
     batch_scales: bool = False
-    # Called with every layer's new entries (full keys) as it commits them (tef.Stateful
-    # hears of backward-time state this way).
+    # Called with every layer's new entries (full keys) as it commits them (tef.Stateful's).
     watch: Callable[[dict], None] | None = None
-    # False for workspaces without weight casts (init_workspaces(..., weight_cache=False)): the
-    # layers' casts are not committed, and only is_first_microbatch=None is taken.
+    # False for workspaces without weight casts: casts are not committed.
     weight_cache: bool = True
 
 
@@ -83,10 +77,8 @@ class CallScope:
     amax_groups: dict = field(default_factory=dict)
     # Opened around per-sample calls in batch scope (te_func.vmapped): see Frame.batch_scales.
     batch_scales: bool = False
-    # tef.grad's: id(layer) -> path of each layer with backward entries a call inside has bound.
-    # A second call of such a layer differentiates state the first call's output holds, whose
-    # gradient (that call's backward amax) autograd cannot bring back to the entry tef.grad
-    # records. None in scopes that let a function run several times (chunked vmap).
+    # tef.grad's: id(layer) -> path of each layer with backward entries a call inside bound, which a
+    # second call may not differentiate again. None where a function runs several times (chunks).
     differentiated: dict | None = None
 
     @property
@@ -164,8 +156,7 @@ def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
         replay = _replay(module)
         if replay is not None:
             return replay
-        # A norm computes the same under any recipe (a frozen model calls its norms so): only a
-        # layer with GEMMs loses its FP8 outside a frame.
+        # Only a layer with GEMMs loses its FP8 outside a frame (a frozen model's norms run so).
         return _outside_frames(layer) if module.gemms() else _NO_FRAME
     frame = stack[-1]
     if frame.workspaces is None:  # tef.autocast: quantize, cache nothing
@@ -196,9 +187,7 @@ def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
     ifm, again = microbatch(frame, owner, is_first_microbatch)
     if again:
         if lower(frame.recipe).keeps_history:
-            # Each use's backward would report its grad amax as the "gradient" of the
-            # same entry, and autograd sums two gradients of one input: the amaxes
-            # would add instead of taking the max.
+            # Autograd would sum the two uses' backward amaxes, not take their max.
             raise TransformError(
                 f"{layer} at {path or '(root)'!r} was called twice in one call under DelayedScaling, "
                 f"which te_func does not support: the two uses' gradient amaxes cannot be combined. "
@@ -218,15 +207,11 @@ def bind(module, layer: str, is_first_microbatch: bool | None) -> Binding:
 
 
 # --- activation checkpointing -----------------------------------------------------------------
-# torch.utils.checkpoint recomputes a checkpointed forward during backward, outside any
-# frame. Each eager call in a frame leaves what the module needs to compute the same
-# function again: its new entries (this step's casts and scales), with the grad histories
-# and random streams as the frame gave them (the histories' gradient carries the backward
-# amax; a stream gives the recompute's backward the numbers the call drew). The recompute runs as
-# a later microbatch of that step (casts reused, nothing rolled or updated) and commits
-# nothing; where its graph is the one backward runs (use_reentrant=True), the frame's
-# watcher hears of it, so each backward amax is recorded once. TE's te.checkpoint keeps
-# the forward's FP8 state for its recompute in the same way.
+# torch.utils.checkpoint recomputes a forward during backward, outside any frame. Each eager call
+# in a frame leaves its new entries, with the grad histories and random streams as it was given
+# them; the recompute runs as a later microbatch of that step (nothing rolled or updated) and
+# commits nothing but to the frame's watcher, so each backward amax is recorded once, as TE's
+# te.checkpoint keeps the forward's FP8 state.
 
 class _Replay(NamedTuple):
     recipe: object
@@ -240,8 +225,7 @@ _last_calls_lock = threading.Lock()
 
 
 def _remember(module, frame: Frame, entries: dict, prefix: str):
-    # Only plain eager calls: under torch.compile the recompute is traced with the forward,
-    # and under a torch.func transform the entries belong to that transform.
+    # Only plain eager calls: compiled recomputes are traced, a transform's entries are its own.
     if torch.compiler.is_compiling() or frame.level is not None:
         return
     with _last_calls_lock:
@@ -257,9 +241,7 @@ def last_recipe(module):
 
 
 def _replay(module) -> Binding | None:
-    # Traced, a checkpoint's recompute is part of the graph and nothing was remembered (`_remember`);
-    # torch 2.11's dynamo cannot trace the task id either (a module outside any frame, such as a
-    # frozen model's norm, would break the graph).
+    # Traced, nothing was remembered, and torch 2.11's dynamo cannot trace the task id.
     if torch.compiler.is_compiling() or _compat.backward_task_id() == -1:    # or not in a backward
         return None
     with _last_calls_lock:
@@ -275,9 +257,7 @@ def _replay(module) -> Binding | None:
 
 
 def _check_level(frame: Frame, layer: str, path: str, entries: dict):
-    # A torch.func transform opened inside the model's forward (vmap over part of
-    # it, a grad inside it) wraps what the layer computed; stored in the workspaces
-    # those wrappers would escape their transform.
+    # A transform opened inside the forward wraps what the layer computed: stored, it would escape.
     if frame.level is None and torch.compiler.is_compiling():
         return
     here = transform_level()
@@ -303,9 +283,8 @@ _told_outside_frames = False
 
 
 def _outside_frames(layer: str) -> Binding:
-    """A call outside every frame: high precision, as the plain torch layer computes. A model
-    converted with tef.convert and trained as it is (handed to a trainer without tef.Stateful)
-    would otherwise train in high precision without a word: the first such call warns."""
+    """A call outside every frame: high precision, as the torch layer; the first such call warns,
+    as a converted model trained without tef.Stateful would otherwise lose FP8 without a word."""
     global _told_outside_frames
     if torch.compiler.is_compiling() or _told_outside_frames:
         return _NO_FRAME
@@ -324,8 +303,7 @@ def _outside_frames(layer: str) -> Binding:
 
 
 def _caller_outside_torch() -> int:
-    # The warning's stacklevel: the first frame up the stack that is neither te_func's nor torch's
-    # (the code that called the model).
+    # The warning's stacklevel: the first caller that is neither te_func's nor torch's.
     frame, level = sys._getframe(2), 2
     while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("te_func", "torch"):
         frame, level = frame.f_back, level + 1

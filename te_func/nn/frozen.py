@@ -35,11 +35,8 @@ __all__ = ["FrozenCast", "FrozenLayer", "FrozenLinear", "FrozenLayerNormLinear",
            "FrozenGroupedLinear", "FROZEN_LAYERS"]
 
 
-# Every distinct static config of the frozen layers (GemmConfig, the norm's), by its repr. A
-# layer keeps the names of its configs and reads them from here: torch.compile checks an object
-# once per place it reads it from, so a config read from this one table is checked once per
-# graph, where configs held by each layer were checked field by field in every layer, on every
-# call (some 30 checks per GEMM).
+# Every distinct static config of the frozen layers, by its repr; layers keep the names. torch.compile
+# checks an object once per place it is read from: once per graph here, not per layer and call.
 _CONFIGS: dict[str, Any] = {}
 
 
@@ -95,16 +92,12 @@ class FrozenLayer(nn.Module):
             if not k.startswith("_") and k != "training":
                 setattr(self, k, v)
         self.recipe, self.weight_only_tokens = recipe, weight_only_tokens
-        # GEMM weight name -> (shape, dtype) of the trained layer's parameter: what `layer.weight`
-        # shows model code that reads it (_gemm_weight below).
+        # GEMM weight name -> (shape, dtype) of the trained parameter (_gemm_weight below).
         self._weight_meta = dict(weight_meta or {})
         self.gemm_specs = tuple(source.gemms())
-        # What a call reads, as strings of this layer's own. The recipe and the GemmSpecs are objects
-        # every layer shares, and torch.compile guards that a shared object it reads through two
-        # layers is still one object: a Python check per layer on every call (for a 16-layer Llama,
-        # hundreds of microseconds per decode step). Each GEMM's input-scale buffer is named only
-        # where it exists: a getattr that misses is guarded as a missing attribute, which torch
-        # checks by raising nn.Module's AttributeError, on every call.
+        # What a call reads, as strings of this layer's own: torch.compile guards every shared object
+        # read through two layers (a Python check per layer and call), and a getattr that misses (an
+        # input-scale buffer, named only where it exists) by raising AttributeError on every call.
         self._recipe_name = type(recipe).__name__
         delayed = lower(recipe).keeps_history
         self._gemm_names = tuple((g.weight, f"{g.prefix}input_scale" if delayed else None)
@@ -117,8 +110,7 @@ class FrozenLayer(nn.Module):
             self.add_module(f"{g.weight}_cast", FrozenCast(casts[g.weight]))
             if delayed:
                 self.register_buffer(f"{g.prefix}input_scale", input_scales[g.weight])
-        # The reciprocal of each input scale, the cast's decode factor: made here (and on each load),
-        # not by every call, where it was a kernel launch per GEMM at decode sizes.
+        # Each input scale's reciprocal, made here (and on each load), not by every call.
         self._make_input_scale_invs()
         self.register_load_state_dict_post_hook(_after_load)
         self.register_buffer(RECIPE_KEY, fingerprint_entry(recipe, casts[self.gemm_specs[0].weight].data.device))
@@ -168,9 +160,8 @@ class FrozenLayer(nn.Module):
         return autocast_input(inp)
 
     def _slots(self, tokens) -> tuple[tuple[GemmSlot, ...], dict]:
-        """(one slot per GEMM, their tensors by name) for a call of `tokens` tokens. Weight-only or
-        not is decided here, by the call's shape: under torch.compile a guard on the token
-        count, so each side of the threshold has its own graph."""
+        """(one slot per GEMM, their tensors by name) for a call of `tokens` tokens; weight-only is
+        decided by the shape (compiled: a guard, one graph per side of the threshold)."""
         weight_only = self.weight_only_tokens > 0 and tokens <= self.weight_only_tokens
         cfg = _CONFIGS[self._config_names[int(weight_only)]]
         slots, tensors = [], {}
@@ -253,8 +244,7 @@ def _gemm_weight(name: str) -> property:
 
 
 def _after_load(layer: FrozenLayer, incompatible_keys):
-    # A load_state_dict post-hook: the input scales may be new tensors (or, loaded with
-    # assign=True into a skeleton on meta, the first real ones).
+    # A load_state_dict post-hook: the input scales may be new (or, with assign=True, the first real ones).
     layer._make_input_scale_invs()
 
 

@@ -45,8 +45,7 @@ class _Boundary(torch.autograd.Function):
 
     @staticmethod
     def forward(op, names, *values):
-        # The op's math is exact by design (an emulated FP8 GEMM accumulates in fp32):
-        # torch.autocast around a layer must not round it to bf16 behind its back.
+        # The op's math is exact by design: torch.autocast must not round it to bf16 behind its back.
         with _no_autocast(values):
             out = op.forward(dict(zip(names, values)))
         # Plain loops, not set algebra on dict views: torch 2.11's dynamo cannot trace the latter.
@@ -54,8 +53,7 @@ class _Boundary(torch.autograd.Function):
         if unknown:
             raise RuntimeError(f"{type(op).__name__}.forward returned {sorted(unknown)}, not among its outputs")
         if _tangents_possible():
-            # Forward mode gives each view the tangent of its base; a bit view (an FP8 cast made
-            # as integers) has a base that can hold none: such outputs go as copies.
+            # Forward mode gives a view its base's tangent; an integer base holds none: copies.
             out = {k: v.clone() if isinstance(v, torch.Tensor) and v._base is not None
                    and not v._base.is_floating_point() else v for k, v in out.items()}
         return tuple(out.get(k) for k in op.outputs)
@@ -64,13 +62,11 @@ class _Boundary(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         op, names, *values = inputs
         outputs = dict(zip(op.outputs, output))
-        # Carried state stays "differentiable" so that it keeps this node as its grad_fn
-        # (see on_backward); nothing differentiates it, so its gradient is only ever zero.
+        # Carried state stays "differentiable" to keep this node as its grad_fn (on_backward).
         keep = set(op.differentiable) | set(op.carried)
         ctx.mark_non_differentiable(*(t for k, t in outputs.items() if k not in keep and t is not None))
         named = {**dict(zip(names, values)), **outputs}
-        # What the first-order backward reads, and where a derivative of that backward can be
-        # asked for, what the linearization reads too (see `_linearized_grads`).
+        # What backward reads, and where its derivative may be asked for, the linearization's inputs.
         ctx.plain, ctx.higher = backward_differentiable(named.get(k) for k in getattr(op, "primals", ()))
         extra = tuple(k for k in _linearization_inputs(op) if k not in op.saved) if ctx.higher else ()
         ctx.saved_names = op.saved + extra
@@ -81,14 +77,12 @@ class _Boundary(torch.autograd.Function):
             # (An integer output, carried state such as a random stream, takes no tangent at all.)
             ctx.zero_tangents = {k: (t.shape, t.dtype, t.device) for k, t in outputs.items()
                                  if k in keep and t is not None and t.is_floating_point()}
-        # Sizes are inputs, not part of the op's static config, so that a new size (an MoE
-        # group's token count) is a new value for torch.compile, not a new graph.
+        # Sizes are inputs, not static config: a new MoE group size is not a new graph.
         ctx.sizes = {k: v for k, v in zip(names, values) if isinstance(v, (int, torch.SymInt))}
         ctx.op, ctx.names = op, names
         ctx.dtypes = {k: v.dtype for k, v in zip(names, values) if isinstance(v, torch.Tensor)}
-        # An output nobody used gets None, not zeros that autograd would make as a plain
-        # tensor (wrong beside DTensor gradients under tensor parallelism); only the first
-        # output's gradient, which every op's backward starts from, is filled in.
+        # An unused output's gradient stays None (autograd's zeros are plain tensors, wrong beside
+        # DTensor gradients); only the first output's, which every backward starts from, is filled.
         ctx.set_materialize_grads(False)
         first = outputs[op.differentiable[0]]
         ctx.first_meta = (first.shape, first.dtype, first.device)
@@ -106,10 +100,8 @@ class _Boundary(torch.autograd.Function):
         if torch.is_grad_enabled() and ctx.plain and not ctx.higher:
             _refuse_create_graph(op)
         differentiated = torch.is_grad_enabled() and ctx.higher
-        # The FP8 backward (casts, FP8 GEMMs) on detached tensors: it records no graph, which
-        # torch.func.grad would otherwise ask for and keep alive with every temporary of the
-        # backward, as much again as the layer's activations. Its derivatives, where some
-        # transform outside can ask for them, come from the linearization below.
+        # The FP8 backward on detached tensors: a graph of it would keep every temporary alive.
+        # Its derivatives, where a transform outside can ask for them, come from the linearization.
         with torch.no_grad(), _no_autocast(grads):
             input_grads = op.backward(_detached(saved), _detached(out_grads), GradContext(need, ctx.dtypes))
         unknown = [k for k in input_grads if k not in need]
@@ -122,8 +114,7 @@ class _Boundary(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _op, _names, *tangents):
-        # Forward mode: the tangents of the linearization (see `_linearized_grads`) at the
-        # forward's operands; state and saved casts get none.
+        # Forward mode: the linearization's tangents at the forward's operands; state gets none.
         op = ctx.op
         _require_linearization(op)
         primals = dict(zip(op.linearization_inputs, ctx.saved_tensors))
@@ -155,14 +146,11 @@ def _detached(tensors: dict) -> dict:
 
 
 # --- derivatives beyond the first-order backward ------------------------------------------------
-# te_func defines them as TE defines the first-order backward: each GEMM is linear in its
-# operands as it read them (the FP8 casts), and a cast passes tangents and cotangents straight
-# through to the tensor it was made from. `op.linearized(t)` is that function in high
-# precision: the op's math with plain torch norms and activations, each GEMM on its forward's
-# dequantized operands. Its vjp has the FP8 backward's value up to the gradient's own rounding;
-# te_func returns the FP8 backward's value and the vjp's derivatives (`value + (v - v.detach())`),
-# so first-order results stay bit-identical, and second and higher derivatives, reverse or
-# forward, are exact derivatives of the linearization: never zeros, never a refusal.
+# As TE defines the first-order backward: each GEMM is linear in its FP8 operands, and a cast
+# passes derivatives straight through. `op.linearized(t)` is that function in high precision (each
+# GEMM on its dequantized operands). te_func returns the FP8 backward's value with the vjp's
+# derivatives (`value + (v - v.detach())`): first order stays bit-identical, higher orders and
+# forward mode are exact derivatives of the linearization (docs/functional.md).
 
 _mode = threading.local()      # .higher: inside higher_order(); .first_order: inside first_order_only()
 
@@ -178,17 +166,14 @@ def _setting(name: str):
 
 
 def higher_order():
-    """Forward calls of te_func layers inside keep what a derivative of their backward reads
-    (the layer's input in high precision, its parameters), for plain autograd's
-    `autograd.grad(..., create_graph=True)`. torch.func's transforms need no such context:
-    te_func sees them and keeps it by itself."""
+    """Forward calls inside keep what a derivative of their backward reads, for plain autograd's
+    `create_graph=True` (torch.func's transforms need no such context)."""
     return _setting("higher")
 
 
 def first_order_only():
-    """te_func's own backwards that run layers again (tef.checkpoint's recompute) and whose
-    result nothing differentiates: the layers inside skip what a derivative of their backward
-    needs, although the transform levels around them could ask for one."""
+    """For te_func's own recomputes (tef.checkpoint) that nothing differentiates: the layers keep
+    nothing for a derivative of their backward."""
     return _setting("first_order")
 
 
@@ -214,9 +199,7 @@ def _tangents_possible() -> bool:
 
 
 def _refuse_create_graph(op):
-    """Plain autograd asked for a graph of this backward (create_graph=True) of a forward that
-    kept too little for one: refused at the first such call, rather than differentiated as if
-    the FP8 casts had no operands."""
+    """create_graph=True for a forward that kept too little: refused, not differentiated as zero."""
     raise TransformError(
         f"te_func: a derivative of {type(op).__name__}'s backward was asked for (autograd.grad(..., "
         f"create_graph=True) or backward(create_graph=True)), but its forward ran outside "
@@ -230,16 +213,14 @@ def _linearization_inputs(op) -> tuple:
 
 
 def _require_linearization(op):
-    # An op that declares no linearization (FSDP's gathers, tensor parallelism's collectives)
-    # gives first derivatives only: refused here rather than differentiated as zero.
+    # An op without a linearization (FSDP's gathers) gives first derivatives only.
     if not hasattr(op, "linearized"):
         raise DerivativeError(f"te_func: {type(op).__name__} gives first derivatives only; a derivative of "
                               f"its backward or a forward-mode tangent was asked for")
 
 
 def _linearized_grads(op, saved: dict, out_grads: dict, input_grads: dict, need: dict) -> dict:
-    """`input_grads` (the FP8 backward's, detached) given the derivatives of the linearization's
-    vjp with respect to the op's inputs and the output gradients."""
+    """`input_grads` given the derivatives of the linearization's vjp."""
     _require_linearization(op)
     missing = [k for k in op.linearization_inputs if k not in saved]
     if missing:
@@ -274,19 +255,16 @@ def call(op, **tensors) -> dict:
 
 
 def call_forward(op, **tensors) -> dict:
-    """`op`'s forward alone, for inference (te_func.freeze): the math `call` runs, under the
-    same autocast rule, with no autograd node, so nothing is kept for a backward and
-    torch.export sees plain aten ops. Returns its outputs by name."""
+    """`op`'s forward alone, for inference (te_func.freeze): no autograd node, so nothing is kept
+    and torch.export sees plain aten ops. Returns its outputs by name."""
     with _no_autocast(tensors.values()):
         out = op.forward(tensors)
     return {k: out.get(k) for k in op.outputs}
 
 
 def on_backward(t: torch.Tensor, fn) -> bool:
-    """When `t` is carried state of a te_func op (op.carried), call fn(new value) when that op's
-    backward runs, whichever inputs the backward was asked for (a post-hook on the op's node sees
-    every gradient it computes, also those autograd then drops). Returns whether `t` is such state.
-    """
+    """Where `t` is carried state of a te_func op, call fn(new value) when its backward runs, whatever
+    it was asked for (a post-hook sees gradients autograd then drops). Returns whether it is."""
     node = t.grad_fn
     op = getattr(node, "op", None)
     if node is None or op is None or not isinstance(getattr(node, "names", None), tuple):
@@ -294,8 +272,7 @@ def on_backward(t: torch.Tensor, fn) -> bool:
     source = op.carried.get(op.outputs[t.output_nr])
     if source is None:
         return False
-    # The node's gradients are those of forward's tensor inputs only, in order (autograd drops
-    # the non-tensor ones: op, names, and inputs given as None); dtypes lists exactly those.
+    # The node's gradients are those of the tensor inputs, in order: `dtypes` lists exactly those.
     tensor_inputs = list(node.dtypes)      # type: ignore[attr-defined]  # a te_func op's node has them
     if source not in tensor_inputs:
         return False

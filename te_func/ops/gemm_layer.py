@@ -31,8 +31,7 @@ from ..quant import scheme_for
 __all__ = ["GemmConfig", "GemmSlot", "GradCasts", "forward_gemm", "backward_gemm", "backward_gemms", "quantize_grad",
            "backward_amax"]
 
-# TE's accumulation where a recipe has no MMParams: fast for the forward GEMM, split
-# (more precise) for the two backward GEMMs.
+# TE's accumulation without MMParams: fast forward, split (more precise) backward GEMMs.
 _DEFAULT_FAST_ACCUM = (True, False, False)
 
 
@@ -43,13 +42,11 @@ class GemmConfig:
     input: Scheme
     weight: Scheme
     grad: Scheme
-    # Whether backward will need the weight gradient, so forward keeps what the
-    # weight-gradient GEMM reads of the input; decided by the caller, who can see requires_grad.
+    # Whether forward keeps what the weight-gradient GEMM reads (the caller sees requires_grad).
     save_input: bool = True
     fast_accum: tuple[bool, bool, bool] = _DEFAULT_FAST_ACCUM     # fprop, dgrad, wgrad
     backward_override: str | None = None
-    # Inference only (te_func.freeze, few tokens): the forward GEMM reads the FP8 weight
-    # dequantized and the input as it is (te_func.gemm.weight_only_gemm). Not a TE mode.
+    # Inference only (te_func.freeze): te_func.gemm.weight_only_gemm. Not a TE mode.
     weight_only: bool = False
 
     def __post_init__(self):
@@ -118,9 +115,8 @@ def backward_gemm(grad_out: torch.Tensor, w_t: Quantized | None, xq_t: Quantized
 
 @dataclass
 class GradCasts:
-    """The first half of a slot's backward (`GemmSlot.backward_cast`): which GEMMs run, and the
-    output gradient as they read it: its casts and the new grad state, or with the recipe's
-    backward_override the gradient itself."""
+    """A slot's backward's first half: which GEMMs run, and the output gradient as they read it
+    (its casts and new grad state, or with backward_override the gradient itself)."""
     need_dx: bool
     need_dw: bool
     gq: Quantized | None = None
@@ -130,9 +126,8 @@ class GradCasts:
 
 
 def _state(s: Scheme, record, scale) -> DelayedState | BatchAmax | None:
-    """A role's state from its tensors: a history and a scale (the delayed rule), or a batch
-    amax and, for a per-sample call, its scale. A scale without a history: a forward-only call
-    (te_func.freeze), which records nothing."""
+    """A role's state from its tensors: a history and scale, or a batch amax and (per-sample) its
+    scale; a scale alone is forward-only (te_func.freeze)."""
     if s.rule == "delayed":
         return None if scale is None else DelayedState(record, scale)
     return None if record is None else BatchAmax(record, scale)
@@ -182,8 +177,7 @@ class GemmSlot:
 
     @property
     def saved(self) -> tuple[str, ...]:
-        # What the input-gradient GEMM reads of the weight: its transposed cast, or with
-        # backward_override the forward's cast ("dequantized") or the weight itself.
+        # The weight as the input-gradient GEMM reads it (backward_override: the forward cast, or it).
         w = {None: ("w_t", "w_t_scale_inv", "w_amax"), "dequantized": ("w", "w_scale_inv", "w_amax"),
              "high_precision": ()}[self.cfg.backward_override]
         own = tuple(map(self._n, (*w, "x_saved", "x_saved_scale_inv", "x_saved_amax", "g_record", "g_scale",
@@ -205,9 +199,8 @@ class GemmSlot:
 
     def forward_inputs(self, w: Quantized, x_scale: torch.Tensor | None,
                        x_scale_inv: torch.Tensor | None = None) -> dict:
-        """This slot's input tensors for a forward-only call (inference, te_func.freeze): the
-        forward GEMM's weight cast and, under DelayedScaling, the input's scale alone (and
-        its reciprocal where the caller keeps it: `forward_gemm`'s x_scale_inv)."""
+        """This slot's inputs for a forward-only call (te_func.freeze): the forward cast and, under
+        DelayedScaling, the input's scale (and its reciprocal where the caller keeps it)."""
         return {self._n(k): v for k, v in (
             ("w", w.data), ("w_scale_inv", w.scale_inv), ("w_amax", w.global_amax), ("x_record", None),
             ("x_scale", x_scale), ("x_scale_inv", x_scale_inv), ("g_record", None))}
@@ -259,9 +252,8 @@ class GemmSlot:
 
     def backward_cast(self, s: dict, grad_out: torch.Tensor, need_dx: bool, ctx,
                       amax: torch.Tensor | None = None) -> GradCasts:
-        """`backward`'s first half: grad_out quantized once for the GEMMs that will run. A caller
-        holding no other reference to grad_out lets it go before the GEMMs (eager's peak memory).
-        amax: max |grad_out| where its producer took it (`forward_gemm`'s x_amax)."""
+        """`backward`'s first half: grad_out quantized once for the GEMMs that will run (a caller that
+        drops grad_out lowers eager's peak memory). amax: as `forward_gemm`'s x_amax."""
         n, cfg = self._n, self.cfg
         need_dw = ctx.need[self.weight]
         if need_dw and s[n("x_saved")] is None:
@@ -296,9 +288,8 @@ class GemmSlot:
         return dx, dw, {sink: backward_amax(casts.new_g) if ctx.need.get(sink) else None}
 
     def _backward_unquantized(self, s, grad_out, need_dx, need_dw, dx_dtype, w_dtype):
-        # TE's backward_override: the output gradient stays in high precision and the two
-        # backward GEMMs read the saved operands in it: the forward's FP8 casts dequantized
-        # to the gradient's dtype ("dequantized"), or the original tensors ("high_precision").
+        # TE's backward_override: the backward GEMMs run in high precision on the forward's casts
+        # dequantized ("dequantized") or the original tensors ("high_precision").
         n, cfg, dtype = self._n, self.cfg, grad_out.dtype
         if cfg.backward_override == "dequantized":
             w = dequantize(Quantized(s[n("w")], s[n("w_scale_inv")], cfg.weight.block, s[n("w_amax")], None),

@@ -125,11 +125,9 @@ def _norm_dx(dy, x_hat, gamma, rsigma, centered: bool) -> torch.Tensor:
 
 
 def norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: NormConfig):
-    """The same norm as plain torch computes it (autograd differentiates it): x (..., hidden) -> y,
-    x's dtype. Without zero_centered_gamma it is torch's own F.layer_norm / F.rms_norm on the
-    tensors as they are, so a converted nn.LayerNorm / nn.RMSNorm gives the same bits forward
-    and backward (their kernels accumulate in fp32 themselves); with it, 1 + weight is formed
-    in fp32 and the norm runs there."""
+    """The same norm in plain torch (autograd differentiates it), in x's dtype: torch's F.layer_norm /
+    F.rms_norm on the tensors as they are, so a converted torch norm gives the same bits; with
+    zero_centered_gamma, 1 + weight is formed in fp32 and the norm runs there."""
     shape = (x.shape[-1],)
     # torch takes params of x's dtype, or fp32 ones for a low-precision x; other mixes
     # (fp32 x, bf16 params) go the fp32 way below.

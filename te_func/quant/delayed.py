@@ -27,13 +27,9 @@ def init_delayed_state(recipe: DelayedScaling, device=None) -> DelayedState:
 
 
 def delayed_update(state: DelayedState, recipe: DelayedScaling, role: str) -> DelayedState:
-    """The state a new step starts from, as TE's fused amax-and-scale update leaves it.
-
-    state.amax_history: (L,) float32; state.scale: () float32. Returns a new state;
-    nothing is mutated. A step whose amax (slot 0) is 0 is skipped: no roll, no new
-    scale (an MoE expert that got no tokens, an all-zero tensor). NaN entries of the
-    history are skipped by the max, as TE's fmax does.
-    """
+    """The state a new step starts from, as TE's fused amax-and-scale update leaves it; nothing is
+    mutated. A step whose slot 0 is 0 is skipped (an expert that got no tokens); NaN entries are
+    skipped by the max, as TE's fmax does."""
     history, scale = state
     if history is None:
         raise ValueError("delayed_update: a forward-only DelayedState (a frozen model's) has no history to update")

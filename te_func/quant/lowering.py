@@ -33,9 +33,8 @@ def lower(recipe) -> Lowering:
 
 class Lowering:
     """Recipe None: no entries, no state; the base every recipe's lowering refines."""
-    # Whether the GEMMs keep state from step to step that only workspaces can carry (amax
-    # histories and scales): such a recipe cannot run under tef.autocast, a layer of it cannot
-    # serve two uses whose backward amaxes must meet, and a frozen copy keeps its input scales.
+    # Whether GEMMs keep amax histories and scales between steps: no tef.autocast, no shared
+    # layer, and a frozen copy keeps its input scales.
     keeps_history = False
 
     def __init__(self, recipe):
@@ -43,27 +42,22 @@ class Lowering:
 
     @property
     def keeps_rng(self) -> bool:
-        """Whether each GEMM keeps a random stream for its backward's stochastic rounding: NVFP4
-        unless disable_stochastic_rounding, or a backward_override (which does not quantize the
-        gradient)."""
+        """Whether each GEMM keeps a random stream for stochastic rounding (NVFP4, unless turned off
+        or the gradient is not quantized)."""
         r = self.recipe
         return r is not None and scheme_for(r, "grad").stochastic_rounding and r.backward_override is None
 
     @property
     def tensorwise(self) -> bool:
-        """Whether every tensor's scale is one number (no recipe, Float8CurrentScaling,
-        DelayedScaling): what FP8 all-gather and sharded tensor-parallel weights need, whose
-        blocks would otherwise have to follow the shards' boundaries."""
+        """Whether every scale is one number per tensor: what FP8 all-gather and sharded
+        tensor-parallel weights need."""
         return self.recipe is None or all(scheme_for(self.recipe, role).block is None for role in ROLES_OF_GEMM)
 
     @property
     def token_local(self) -> bool:
-        """Whether every activation and gradient is quantized with scales from one token's values
-        (blocks along the features: MXFP8BlockScaling, Float8BlockScaling), so that no sample's
-        forward or input gradient depends on another sample of the batch: what per-sample
-        gradients for differential privacy need. A tensor-wise scale (current scaling, NVFP4's
-        per-tensor amax) is one number for the whole batch; DelayedScaling's comes from earlier
-        batches."""
+        """Whether every activation and gradient is quantized with scales from one token's values (blocks
+        along the features), so no sample's forward or input gradient depends on another's: what
+        per-sample gradients for differential privacy need."""
         r = self.recipe
         if r is None:
             return True
@@ -80,9 +74,8 @@ class Lowering:
         return {}
 
     def read(self, gemm: Gemm, workspace: dict, batch_scales: bool = False) -> GemmWorkspace:
-        """The typed view of `gemm`'s entries in an op-local `workspace` (None for missing ones: a
-        workspace given to a per-op function may start empty). batch_scales: a per-sample call in
-        batch scope, whose batch amaxes give the scales (te_func.quant.BatchAmax)."""
+        """The typed view of `gemm`'s entries in an op-local `workspace` (None where missing).
+        batch_scales: a per-sample call in batch scope, whose batch amaxes give the scales."""
         return GemmWorkspace(None)
 
     def write(self, gemm: Gemm, gw: GemmWorkspace) -> dict[str, torch.Tensor]:
@@ -95,9 +88,8 @@ class Lowering:
         return GemmWorkspace(None)
 
     def begin(self, gw: GemmWorkspace, starts_step: bool) -> GemmWorkspace:
-        """The state a call quantizes with: each role's detached (the only gradient a state
-        receives is the grad record's, through the slot's g_sink), and where the call starts a
-        step (te_func.functional._gemm.starts_step) what the recipe does at a step's start."""
+        """The state a call quantizes with: each role's detached (only the grad record gets a
+        gradient, through g_sink), after what the recipe does where the call starts a step."""
         def detached(state):
             return None if state is None else type(state)(*(None if t is None else t.detach() for t in state))
         return gw._replace(**{role: detached(getattr(gw, role)) for role in ROLES_OF_GEMM})
@@ -148,10 +140,8 @@ class Stateless(_Quantized):
         return out
 
     def batch_entries(self, gemm):
-        # One per role whose scale comes from the whole tensor at hand, a tensor-wise current
-        # scale. The weight is shared by every sample; block scales (MXFP8, Float8BlockScaling)
-        # come from blocks within one token or, along the tokens, within one sample when its
-        # token count is a multiple of the block.
+        # One per role with a tensor-wise current scale (the weight is shared; block scales come
+        # from within one token, or one sample: docs/functional.md).
         names = gemm.state_names()
         return {f"{names[role]}_batch_amax": Entry((), torch.float32, "batch_amax", role == "grad")
                 for role in ("input", "grad") if self._batch_scoped(role)}
@@ -180,8 +170,7 @@ class Stateless(_Quantized):
         return GemmWorkspace(cast, **batch)
 
     def init(self, gemm, weight, path="", cast=True):
-        # The stream's seed is named by the layer's path and the GEMM's weight: the same model
-        # always starts from the same streams, and no two GEMMs of a model share one.
+        # Seeded by the layer's path and weight: the same streams each time, none shared.
         rng = init_rng_state(rng_seed(f"{path}.{gemm.weight}"), weight.device) if self.keeps_rng else None
         return GemmWorkspace(self._init_cast(weight, cast), rng=rng)
 

@@ -91,17 +91,14 @@ def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
 
 
 def stochastic_round_to_e2m1(v: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes of fp32 `v` rounded at random with 8 random bits per element (`rbits`,
-    integers in [0, 256), v's shape), as TE rounds gradients (ptx.cuh's
-    stochastic_round_fp4_e2m1, which follows cvt.rs.satfinite.e2m1x4.f32):
+    """E2M1 codes of fp32 `v` rounded at random with 8 random bits per element (`rbits` in [0, 256)),
+    as TE rounds gradients (stochastic_round_fp4_e2m1, after cvt.rs.satfinite.e2m1x4.f32):
 
         a = |v|, u = rbits / 256, step = the grid spacing at a (0.5 below 2, 1 below 4, else 2)
         t = fl32(a + u * step);  the result: the grid point at or below t, at most 6
 
-    so |v| rounds up with probability floor(256 f) / 256, f its position between its two
-    grid neighbours: unbiased for f a multiple of 1/256, else low by less than step / 256.
-    Signs are kept, NaN gives +6, |v| > 6 gives 6.
-    """
+    so |v| rounds up with probability floor(256 f) / 256, f its position between its grid
+    neighbours. Signs are kept, NaN gives +6, |v| > 6 gives 6."""
     a = v.abs()
     step = torch.where(a >= 4, 2.0, torch.where(a >= 2, 1.0, 0.5))
     t = a + rbits.to(torch.float32) * (1.0 / 256) * step            # u * step is exact: one rounding
@@ -133,14 +130,9 @@ def unpack_e2m1(data: torch.Tensor, columns: int | None = None) -> torch.Tensor:
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """(..., n) -> (..., ceil(n / 16) * 16): each block of 16 along the last dim times
-    diag(RHT_SIGNS) @ H16 / 4 (H16 Sylvester's Hadamard matrix), an orthogonal map, so
-    (g Q) @ (x Q).T = g @ x.T for any two operands transformed along their shared dim.
-
-    The last dim is zero-padded to a multiple of 16 (TE requires a multiple of 16; zeros
-    leave such a product unchanged). Computed in fp32 (fp64 for fp64 input) by a fixed
-    butterfly, the same order of additions on every device, then rounded to x's dtype, as
-    TE's transform writes its output in the input's dtype (TE takes bf16 input only).
-    """
+    diag(RHT_SIGNS) @ H16 / 4, an orthogonal map, so (g Q) @ (x Q).T = g @ x.T. The last dim is
+    zero-padded (zeros leave the product unchanged). A fixed butterfly in fp32 (fp64 stays), the
+    same additions on every device, rounded to x's dtype as TE writes it."""
     n = x.shape[-1]
     work = torch.promote_types(x.dtype, torch.float32)
     signs = torch.tensor(RHT_SIGNS, dtype=work, device=x.device) * 0.25     # 1/sqrt(16): exact
@@ -218,14 +210,10 @@ torch.library.register_vmap(_random_bytes_op, _random_bytes_vmap)
 
 
 def random_bytes(rng_state: torch.Tensor, stream: int, shape) -> torch.Tensor:
-    """Integers in [0, 256), int64 of `shape`, one per element in row-major order: a pure
-    function of the RNG state (seed, counter), the stream number and the element's index.
-
-    Philox's key is the 64-bit seed; its counter is (chunk index, stream, counter's low and
-    high words); chunk i's four 32-bit words give elements 16 i .. 16 i + 15, byte b of word
-    w going to element 16 i + 4 w + b (TE's kernels likewise take byte k of a word for the
-    k-th of four elements).
-    """
+    """Integers in [0, 256), int64 of `shape`, in row-major order: a pure function of the RNG state
+    (seed, counter), the stream and the index. Philox keyed by the seed, counter (chunk, stream,
+    counter's two words); chunk i's four words give elements 16 i .. 16 i + 15, byte b of word w
+    element 16 i + 4 w + b (as TE's kernels take byte k for the k-th of four)."""
     numel = 1
     for d in shape:
         numel *= d

@@ -33,9 +33,7 @@ class Quantized:
     global_amax: torch.Tensor | None = None
     columns: int | None = None
 
-    # te_func builds its Quantized tensors with every field given (`tensorwise` below for the
-    # tensor-wise ones): where torch.compile (2.11) traces a frozen dataclass built with a default,
-    # its compiled code re-reads the class's fields in Python before every call.
+    # Built with every field given: a default makes torch 2.11's compiled code re-read the fields.
     @classmethod
     def tensorwise(cls, data: torch.Tensor, scale_inv: torch.Tensor) -> Quantized:
         """One scale for the whole tensor: `scale_inv` ()."""
@@ -112,8 +110,7 @@ def batched_by_vmap(t: torch.Tensor) -> bool:
     """Whether `t` is batched by a torch.func.vmap. Under vmap(grad(f)) a backward sees the
     batched tensor wrapped in grad's wrapper, which `is_batchedtensor` does not look through."""
     if torch.compiler.is_dynamo_compiling():
-        # Dynamo cannot trace the unwrapping below; the code it traces directly (a frozen
-        # model's forward) has no grad wrapper to look through.
+        # Dynamo cannot trace the unwrapping; what it traces directly has no grad wrapper.
         return _compat.is_batched(t)
     while _compat.is_wrapped(t):
         if _compat.is_batched(t):
@@ -123,9 +120,8 @@ def batched_by_vmap(t: torch.Tensor) -> bool:
 
 
 def abs_skipping_nan(x: torch.Tensor) -> torch.Tensor:
-    """|x| with NaN as 0, in fp32: TE takes amaxes with fmax, which skips NaN elements, so a
-    NaN neither freezes a delayed scale nor turns a whole block's scale into NaN (the
-    element itself still casts to NaN)."""
+    """|x| with NaN as 0, in fp32: TE's fmax skips NaN, so a NaN neither freezes a delayed scale
+    nor makes a block's scale NaN (the element still casts to NaN)."""
     a = x.float().abs()
     return torch.where(torch.isnan(a), 0.0, a)
 
@@ -147,8 +143,7 @@ def _amax(x: torch.Tensor, known: torch.Tensor | None) -> torch.Tensor:
 
 
 def _may_be_nonzero(n) -> bool:
-    # A size torch.compile keeps symbolic (a routed group's token count) is not branched
-    # on: a branch would guard on its value and recompile for every new routing.
+    # No branch on a symbolic size (a routed group's): it would recompile for every routing.
     return not isinstance(n, int) or n != 0
 
 
@@ -169,8 +164,7 @@ def _expand(per_block: torch.Tensor, block: tuple[int, int], shape) -> torch.Ten
 
 def record_amax(state: DelayedState, amax: torch.Tensor) -> DelayedState:
     """`state` with amax () recorded in the current step's history slot (forward-only: as it is)."""
-    # The amax of a DTensor (a tensor-parallel weight, input or gradient) is a reduction
-    # over its shards: the plain history records its global value, the same on every rank.
+    # A DTensor's amax reduces over its shards: the history records the global value.
     full_tensor = getattr(amax, "full_tensor", None)
     amax = amax if full_tensor is None else full_tensor()
     history = state.amax_history
@@ -230,10 +224,8 @@ def _quantize_nvfp4(x: torch.Tensor, s: Scheme, rng: torch.Tensor | None, stream
         scale  = e4m3(block amax * S_enc / 6)     per 1x16 (or 16x16) block
         codes  = e2m1(x * 1 / (scale * S_dec))    nearest-even, or stochastic with `rng`
 
-    hadamard: quantize the random Hadamard transform of x along its rows instead (the
-    columnwise copy the weight-gradient GEMM reads; te_func.quant.nvfp4.hadamard_transform),
-    whose width is cols rounded up to a multiple of 16. `stream` numbers the random bits of
-    one cast (rowwise 0, columnwise 1, as TE draws separate numbers for the two copies).
+    hadamard: quantize x's random Hadamard transform along its rows (the weight-gradient GEMM's
+    columnwise copy). `stream` numbers one cast's random bits (rowwise 0, columnwise 1, as TE).
     """
     if x.dim() != 2:
         raise ValueError(f"NVFP4 quantizes 2-D tensors (rows, cols), got shape {tuple(x.shape)}")
@@ -319,8 +311,7 @@ def transpose(q: Quantized) -> Quantized:
         codes = nvfp4.unpack_e2m1(q.data, q.shape[-1]).t()
         scale_inv = q.scale_inv.t().clone(memory_format=torch.contiguous_format)
         return Quantized(nvfp4.pack_e2m1(codes), scale_inv, q.block, q.global_amax.clone(), q.data.shape[0])
-    # clone, not contiguous(): a transpose that is already contiguous (one block of scales)
-    # would otherwise share storage with the original, which a checkpoint cannot hold twice.
+    # clone, not contiguous(): a contiguous transpose would share storage, which checkpoints refuse.
     scale_inv = q.scale_inv if q.block is None else q.scale_inv.t().clone(memory_format=torch.contiguous_format)
     return Quantized(q.data.t().clone(memory_format=torch.contiguous_format), scale_inv, q.block, None, None)
 
@@ -343,9 +334,8 @@ def quantize_with_transpose(x: torch.Tensor, s: Scheme, state=None, amax: torch.
 
 
 def nvfp4_block_values(q: Quantized) -> torch.Tensor:
-    """An NVFP4 tensor's e2m1 values times their block scales, fp32, (rows, 2 * bytes): the zero-
-    padded rows the FP4 GEMM reads, without the per-tensor factor. Exact: an E2M1 value (2
-    significant bits) times an E4M3 scale (4) fits fp32, bf16 and tf32 alike."""
+    """An NVFP4 tensor's e2m1 values times their block scales, fp32, (rows, 2 * bytes), without the
+    per-tensor factor: exact (2 significant bits times 4 fit fp32, bf16 and tf32 alike)."""
     assert q.block is not None
     values = nvfp4.e2m1_values(nvfp4.unpack_e2m1(q.data))
     return values * _expand(q.scale_inv.float(), q.block, values.shape)

@@ -38,12 +38,8 @@ def _fits(weight: torch.Tensor, s: Scheme, flat: dict) -> bool:
 
 def cast_weight(weight: torch.Tensor, s: Scheme, cached: WeightCast | None, cache: bool | None,
                 state: DelayedState | None = None):
-    """The typed core of `quantize_weight`: returns (WeightCast, new_state, fresh).
-
-    `cached` is the stored cast (or None); `new_state` is `state` with the weight's
-    amax recorded when the cast is fresh, `state` itself on a cache hit (which
-    records nothing, as in TE).
-    """
+    """The typed core of `quantize_weight`: (WeightCast, new_state, fresh). A fresh cast records the
+    weight's amax into `state`; a cache hit records nothing, as in TE."""
     if cache is False and cached is not None and _fits(weight, s, cast_to_flat(cached, s)):
         return cached, state, False
     # The cast is a constant of the step: no gradient flows through it (the GEMM
@@ -54,15 +50,10 @@ def cast_weight(weight: torch.Tensor, s: Scheme, cached: WeightCast | None, cach
 
 def quantize_weight(weight: torch.Tensor, quantizer: Quantizer, workspace: dict | None,
                     cache: bool | None, state: DelayedState | None = None):
-    """Return `(WeightCast, new_workspace)` for a 2-D weight.
-
-    cache (TE's `is_first_microbatch`): True and None quantize and store the
-    cast; False reuses the stored cast when its entries fit this weight
-    (shape, dtype, device), else quantizes and stores. `state`, the weight's
-    DelayedState, has the weight's amax recorded on a fresh cast; it is not
-    stored in the returned dict (the GEMM's workspace keeps it).
-    Nothing is mutated: other entries of `workspace` are passed through.
-    """
+    """`(WeightCast, new_workspace)` for a 2-D weight. cache (TE's `is_first_microbatch`): True and
+    None quantize and store; False reuses the stored cast where its entries fit the weight, else
+    quantizes and stores. The weight's DelayedState is the GEMM's to keep, not stored here; other
+    entries of `workspace` pass through."""
     workspace = {} if workspace is None else workspace
     s = quantizer.scheme
     cached = cast_from_flat(workspace, s) if _fits(weight, s, workspace) else None
