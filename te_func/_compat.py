@@ -108,12 +108,10 @@ def guard_cpu_loop_split_at_compile() -> None:
 def guard_cpu_loop_split() -> None:
     """Skips inductor's C++ loop split where torch's own check of it fails.
 
-    The split (CppScheduling.try_loop_split) checks that the fused loops have as many dims, not that
-    they are as long, then asserts it: MXFP8's and Float8BlockScaling's two casts of a gradient stop
-    the compile with `AssertionError: ({y0: 32, y1: 2, y2: 32}, {y0: 64, y1: 1, y2: 32})`
-    (docs/functional.md has the repro). The assertion comes before the split changes any node, so
-    returning the nodes gives the kernel torch writes for loops it does not split. Any other
-    assertion propagates."""
+    The split checks that the fused loops have as many dims, not that they are as long, then asserts
+    it: block recipes' two casts of a gradient stop the compile (docs/functional.md has the repro).
+    The assertion comes before any node changes, so returning the nodes gives the unsplit kernel.
+    Any other assertion propagates."""
     try:
         from torch._inductor.codegen.cpp import CppScheduling
     except ImportError:     # a torch without inductor's C++ backend has nothing to guard
@@ -140,13 +138,9 @@ def _mismatched_ranges(e: AssertionError) -> bool:
     return isinstance(arg, tuple) and len(arg) == 2 and all(isinstance(r, dict) for r in arg)
 
 # --- a vmap rule for Tensor.view(dtype) on torches that have none (2.11) ------------------------
-# The scaling math reads fp32 bits (quant/scheme.py: round_down_pow2, e8m0_scale_inv, e8m0_to_float)
-# with x.view(torch.int32) and back. torch 2.13 batches that view; torch 2.11 raises "Batching rule
-# not implemented for aten::view.dtype" under torch.func.vmap, which failed per-sample gradients and
-# vmapped ensembles there for MXFP8 and Float8BlockScaling (power-of-2 scales). Where the rule is
-# missing, te_func registers one for views between dtypes of one element size (the only ones it
-# makes): the same view of the unbatched tensor, the batch dim where it was. Where torch has its
-# own rule, nothing is registered.
+# The scaling math reads fp32 bits with x.view(torch.int32) (quant/scheme.py). torch 2.11 has no
+# vmap rule for that view ("Batching rule not implemented for aten::view.dtype"): te_func registers
+# one there for views between dtypes of one element size, the batch dim where it was.
 
 view_dtype_rule_registered = False      # whether this process runs te_func's rule
 _view_dtype_library = None              # kept alive: the registration lasts as long as this object

@@ -43,12 +43,9 @@ def merge(new_ws: dict, state_grads: dict) -> dict:
 
 
 # --- tef.Stateful: inboxes ----------------------------------------------------------------------
-# Backwards leave their amaxes in the history's inbox (a private buffer of the shell, shaped
-# like the history), by max; the shell merges each inbox into its history, by max, and empties
-# it: when a backward that it hears of ends, when the workspaces are read, and at the start of
-# every call, before the frame updates and rolls the histories: an amax always lands in the slot
-# that was current when its backward ran. The shell, held weakly here, keeps the inboxes
-# (`_inboxes`), the backward whose end merges them (`_merge_queued_for`) and the merge (`_merged`).
+# Backwards leave their amaxes in the history's inbox (the shell's private buffer) by max; the shell
+# merges each inbox into its history and empties it when a backward it hears of ends, on a read, and
+# before every call rolls the histories: an amax lands in the slot current when its backward ran.
 
 @torch.library.custom_op("te_func::merge_inboxes", mutates_args=())
 def merge_inboxes(histories: list[torch.Tensor], inboxes: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -81,8 +78,7 @@ class DeliverToInboxes(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        # Kept on ctx, not saved for backward: saved tensors are version-checked, and other
-        # backwards and merges write the inboxes between this forward and its backward.
+        # On ctx, not saved: saved tensors are version-checked, and others write the inboxes.
         ctx.inboxes = inputs[len(inputs) // 2:]
 
     @staticmethod
@@ -93,9 +89,8 @@ class DeliverToInboxes(torch.autograd.Function):
 
 
 def deliver(shell_ref, key: str, amax: torch.Tensor):
-    """An eager call's backward amax ((L,), zero but for slot 0) for history `key`, from the op's
-    node: into the inbox by max. The shell is held weakly: a dropped shell is freed, however
-    many graphs saw it."""
+    """An eager call's backward amax for history `key`, from the op's node, into the inbox by max
+    (the shell held weakly)."""
     shell = shell_ref()
     if shell is None or key not in shell._inboxes:
         return
@@ -105,8 +100,7 @@ def deliver(shell_ref, key: str, amax: torch.Tensor):
 
 
 def merge_when_backward_ends(shell_ref, grad=None):
-    # Also a tensor hook on each GEMM weight (grad: its gradient, left as it is): a backward that
-    # computes a weight's gradient went through its layer, whose amax may wait in an inbox.
+    # Also a hook on each GEMM weight: a backward that computes its gradient went through its layer.
     shell = shell_ref()
     if shell is None:
         return

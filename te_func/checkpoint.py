@@ -40,8 +40,7 @@ def checkpoint(function, *args, **kwargs):
     if frame is None or _outside_transforms():
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
     if torch.compiler.is_dynamo_compiling():
-        # Dynamo cannot pass the block's description into the graph; torch.compile's own
-        # partitioner decides what to recompute (docs/functional.md).
+        # Dynamo cannot carry the block into the graph; its partitioner picks what to recompute.
         return function(*args, **kwargs)
     leaves, spec = pytree.tree_flatten((args, {**base, **kwargs}))
     tensors = tuple(i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor))
@@ -161,8 +160,7 @@ class _Checkpoint(torch.autograd.Function):
     def forward(block, *values):
         with torch.no_grad():
             out, new = block.run(values, recompute=False)
-        # An entry the block left as it was is an input returned as is; setup_context saves
-        # inputs, and torch.func takes that only for a view of it.
+        # An entry left as it was is returned as a view: torch.func takes no input returned as is.
         ids = {id(v) for v in values}
         return tuple(t.view_as(t) if isinstance(t, torch.Tensor) and id(t) in ids else t for t in (*out, *new))
 
@@ -171,8 +169,7 @@ class _Checkpoint(torch.autograd.Function):
         block, *values = inputs
         n_out = len(output) - len(block.keys)
         new = output[n_out:]
-        # The recompute's workspace: the forward's new entries (this step's casts and scales),
-        # the grad histories and random streams as the forward was given them.
+        # The forward's new entries, with grad histories and random streams as it was given them.
         args, params, given = block.split(values)
         recompute_ws = [g if k in block.as_given else n for k, g, n in zip(block.keys, given, new)]
         ctx.save_for_backward(*args, *params, *recompute_ws)
@@ -196,8 +193,7 @@ class _Checkpoint(torch.autograd.Function):
         block = ctx.block
         values = ctx.saved_tensors
         if not torch.is_grad_enabled():
-            # No graph of this backward was asked for: the recompute's vjp needs none of the
-            # tensors' own history (te_func's layers would keep what a second derivative reads).
+            # No graph of this backward was asked for: the layers need keep nothing for one.
             values = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in values)
         need = ctx.needs_input_grad[1:]
         wanted = [i for i, (v, n) in enumerate(zip(values, need)) if n and v is not None]

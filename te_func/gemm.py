@@ -22,8 +22,7 @@ def _plain_2d(a: Quantized, b: Quantized) -> bool:
 
 def _use_scaled_mm(a: Quantized, b: Quantized) -> bool:
     """Tensor-wise scaled operands that `torch._scaled_mm` takes, batched by vmap or not."""
-    # The device first: a shape test on a symbolic size (a routed group's tokens under
-    # torch.compile) would guard on it, and a CPU never needs to.
+    # The device first: a shape test on a symbolic size would guard on it, and a CPU never needs to.
     if not native_fp8_gemm_available(a.data.device):
         return False
     if a.block is not None or b.block is not None:
@@ -39,19 +38,17 @@ def _use_scaled_mm(a: Quantized, b: Quantized) -> bool:
 @torch.library.custom_op("te_func::scaled_mm", mutates_args=())
 def _batched_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                        out_dtype: torch.dtype, fast_accum: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a (M, K) x b (N, K) (+ bias (N,) of out_dtype) -> (M, N) in one torch._scaled_mm, for
-    operands batched by vmap: torch._scaled_mm has no batching rule (vmap would loop over slices
-    in layouts cuBLASLt refuses), this op has one (below)."""
+    """a (M, K) x b (N, K) (+ bias) -> (M, N) in one torch._scaled_mm, with a batching rule (below)
+    that torch._scaled_mm lacks."""
     a, b, scale_a, scale_b = (_aligned(t.contiguous()) for t in (a, b, scale_a, scale_b))
     return _scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, None if bias is None else bias.contiguous())
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                out_dtype: torch.dtype, fast_accum: bool | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """torch._scaled_mm of a (M, K) row-major and b (N, K) (read as column-major b.T), the bias in
-    the epilogue: added to the fp32 product, then rounded once. cuBLASLt takes no bias for an fp32
-    result; in fp32 the add after the GEMM is that same sum. fast_accum None: torch's default
-    (block-scaled GEMMs take no such option)."""
+    """torch._scaled_mm of a (M, K) row-major and b (N, K) (as column-major b.T), the bias added to the
+    fp32 product before the one rounding (an fp32 result adds it after: the same sum). fast_accum
+    None: torch's default (block-scaled GEMMs take no such option)."""
     fp32_bias = bias if out_dtype == torch.float32 else None
     accum: dict = {} if fast_accum is None else {"use_fast_accum": fast_accum}
     out = torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=scale_a, scale_b=scale_b,
@@ -60,8 +57,7 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    # cuBLASLt refuses operands and scales that do not start on 16 bytes: a sample's slice
-    # of a batch (its scale, one float into the batch's) need not.
+    # cuBLASLt refuses operands and scales not on 16 bytes, as a sample's slice of a batch may be.
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
@@ -75,9 +71,7 @@ def _(info, in_dims, a, b, scale_a, scale_b, out_dtype, fast_accum, bias=None):
     dim_a, dim_b, dim_sa, dim_sb = in_dims[:4]
     dim_bias = in_dims[6] if len(in_dims) > 6 else None
     if dim_a is not None and dim_b is None and dim_sa is None and dim_sb is None and dim_bias is None:
-        # Samples of one operand against a shared weight with shared scales (a forward or an
-        # input-gradient GEMM; per-sample gradients in batch scope): the samples' rows stacked
-        # are the batch's GEMM, so it is one GEMM and gives the batch's result bit for bit.
+        # Samples against a shared weight and scales: their rows stacked are the batch's GEMM, bit for bit.
         a = a.movedim(dim_a, 0)
         out = _batched_scaled_mm(a.flatten(0, 1), b, scale_a, scale_b, out_dtype, fast_accum, bias)
         return out.unflatten(0, a.shape[:2]), 0
@@ -105,17 +99,15 @@ def _use_blockwise_scaled_mm(a: Quantized, b: Quantized) -> bool:
     if m % 128 or k % 128 or n % 128:
         return False   # no partial blocks: their scale layout differs
     if b.block == (128, 128) and (k // 128) % 4:
-        # b's 128x128 scales reach cuBLAS column-major with a leading dimension of
-        # K/128 floats; unless that is a multiple of 16 bytes the result was wrong
-        # on an H200 (input gradients at 3 dB, NaN). Emulate those.
+        # b's 128x128 scales reach cuBLAS with a leading dimension of K/128 floats: unless a multiple
+        # of 16 bytes the result is wrong (NaN on an H200). Emulate those.
         return False
     return True
 
 
 def _pow2_blocks_on_gpu(a: Quantized, b: Quantized) -> bool:
-    # MXFP8's E8M0 scales are powers of 2 and an FP8 value times one is exact in
-    # bf16 (3 or 2 mantissa bits, fp32's exponent range): a bf16 GEMM with fp32
-    # accumulation computes the same function as the fp32 one, at tensor-core speed.
+    # An FP8 value times an E8M0 scale is exact in bf16: a bf16 GEMM accumulating in fp32 is the same
+    # function as the fp32 one, at tensor-core speed.
     return (a.data.device.type == "cuda" and a.scale_inv.dtype == torch.uint8    # E8M0 bytes
             and b.scale_inv.dtype == torch.uint8)
 
@@ -133,8 +125,7 @@ def _nvfp4_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.
 
 
 def _bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype) -> torch.Tensor | None:
-    # One bias per output column, in the output's dtype: anything else would broadcast in the
-    # emulation and fail in cuBLAS's epilogue.
+    # One bias per output column, in the output's dtype (else the emulation and cuBLAS would differ).
     if bias is None:
         return None
     if bias.shape != (n,):
@@ -164,8 +155,7 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool
         return _nvfp4_gemm(a, b, out_dtype, bias)
     if _use_scaled_mm(a, b):
         if any(batched_by_vmap(t) for t in (a.data, b.data, a.scale_inv, b.scale_inv, bias) if t is not None):
-            # Detached: torch._scaled_mm has no derivative either, and a backward under
-            # torch.func.grad would otherwise route the op through an autograd node torch.func refuses.
+            # Detached: no derivative, and torch.func.grad would refuse the op's autograd node.
             return _batched_scaled_mm(a.data.detach(), b.data.detach(), a.scale_inv.detach(), b.scale_inv.detach(),
                                       out_dtype, fast_accum, None if bias is None else bias.detach())
         return _scaled_mm(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, fast_accum, bias)
@@ -175,9 +165,8 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool
         scale_b = b.scale_inv.t() if b.block == (128, 128) else b.scale_inv.t().contiguous()
         return _scaled_mm(a.data, b.data, scale_a, scale_b, out_dtype, None, bias)
     if out_dtype == torch.bfloat16 and _pow2_blocks_on_gpu(a, b):
-        # Only for a bf16 result: the bf16 GEMM rounds its output to bf16, so an fp32
-        # result would lose 16 bits against the fp32 path (measured 1.5e-3 relative on an H200).
-        # addmm's 1-D bias goes into cuBLAS's epilogue too: added in fp32, rounded once.
+        # Only for a bf16 result (it rounds its output to bf16); addmm's 1-D bias goes into cuBLAS's
+        # epilogue: added in fp32, rounded once.
         a_bf16, b_bf16 = dequantize(a, torch.bfloat16), dequantize(b, torch.bfloat16).t()
         return a_bf16 @ b_bf16 if bias is None else torch.addmm(bias, a_bf16, b_bf16)
     return _rounded(dequantize(a) @ dequantize(b).t(), bias, out_dtype)
@@ -209,9 +198,8 @@ def _weight_only_reference(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Te
 @torch.library.custom_op("te_func::weight_only_mm", mutates_args=())
 def _weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) @ w (N, K).T * scale_inv () + bias (N,) in x's dtype, w tensor-wise FP8. An op of
-    its own so that compiled graphs call the Triton kernel (inductor would otherwise generate the
-    reference's ops, whose bf16 copy of the weight is what the kernel avoids)."""
+    """x (M, K) @ w (N, K).T * scale_inv () + bias (N,) in x's dtype, w tensor-wise FP8: an op, so
+    that compiled graphs call the Triton kernel rather than make a bf16 copy of the weight."""
     out = kernels.weight_only_mm(x, w, scale_inv, bias)
     return _weight_only_reference(x, w, scale_inv, bias) if out is None else out
 

@@ -114,17 +114,15 @@ class TrainerMixin:
         super().__init__(*args, **kwargs)
         shell = self._stateful(self.model)
         if shell is not None and self.args.label_names is None:
-            # The Trainer reads the label names (hence whether evaluation computes a loss) from
-            # the model's class: the shell's class names none. Its model's class does.
+            # The Trainer reads label names from the model's class; the shell's names none.
             from transformers.trainer_utils import unwrap_peft_model
             from transformers.utils.generic import can_return_loss, find_labels
             model_class = type(unwrap_peft_model(shell.model))
             self.label_names, self.can_return_loss = find_labels(model_class), can_return_loss(model_class)
 
     def training_step(self, model, inputs, *args, **kwargs):
-        # A step's first microbatch casts the weights, the others reuse the casts (as TE's
-        # is_first_microbatch): the Trainer's accumulation, which calls the model with the batch
-        # alone, would otherwise recast every microbatch, and under DelayedScaling start a step.
+        # A step's first microbatch casts the weights, the others reuse them: otherwise every
+        # microbatch would recast, and under DelayedScaling start a step.
         shell = self._stateful(model)
         if shell is not None and shell.weight_cache and "is_first_microbatch" not in inputs:
             inputs = {**inputs, "is_first_microbatch": getattr(self, "_next_is_first", True)}
@@ -175,8 +173,7 @@ class TrainerMixin:
 
 
 def __getattr__(name: str):
-    # `Trainer`, made when first asked for: importing transformers takes seconds, and nothing
-    # else in te_func needs it.
+    # `Trainer`, made when first asked for: importing transformers takes seconds.
     if name != "Trainer":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import transformers

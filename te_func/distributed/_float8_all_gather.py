@@ -32,8 +32,7 @@ __all__ = ["Float8AllGatherWeight", "Float8GatheredWeight", "enable_fsdp_float8_
 
 _aten = torch.ops.aten
 
-# The ops FSDP shards, pads and moves a parameter with: they keep the subclass, so the
-# local shard FSDP all-gathers from still knows how to cast itself.
+# The ops FSDP shards, pads and moves a parameter with keep the subclass, so a shard can cast itself.
 _KEEP_SUBCLASS = {_aten.detach.default, _aten.alias.default, _aten.empty_like.default, _aten.new_zeros.default,
                   _aten.slice.Tensor, _aten.copy_.default, _aten.view.default, _aten.as_strided.default,
                   _aten._to_copy.default, _aten._pin_memory.default, _aten.split.Tensor, _aten.clone.default}
@@ -129,8 +128,7 @@ def _delayed_scale(recipe, module, shard):
     name = _param_name(module, shard)
     value = lambda key: frame.updates.get(prefix + key, frame.workspaces[prefix + key])  # noqa: E731
     state = DelayedState(value(f"{name}_amax_history").detach(), value(f"{name}_scale").detach())
-    # As the layer will decide it (te_func.nn.context.bind), with the frame's update_state rather
-    # than the grad mode now: FSDP all-gathers under no_grad.
+    # As the layer will decide it, with the frame's update_state: FSDP all-gathers under no_grad.
     start = starts_step(microbatch(frame, owner)[0], frame.update_state)
     return delayed_update(state, recipe, "weight").scale if start else state.scale
 
@@ -163,9 +161,7 @@ class Float8GatheredWeight(CarriedCast):
         if s != scheme_for(self._recipe, "weight"):
             raise ValueError(f"this weight was all-gathered in FP8 for {self._recipe!r} and cannot be cast as "
                              f"{s}: run the model with the recipe FP8 all-gather was enabled for")
-        # A copy: the gathered bytes live in FSDP's all-gather buffer, which FSDP frees and
-        # refills, while the cast stays in the workspaces (the cache of later microbatches).
-        # Row-major: a TransposedLinear's weight arrives as a transposed view.
+        # A row-major copy: FSDP refills its all-gather buffer while the cast stays in the workspaces.
         q = Quantized.tensorwise(self._data.clone(memory_format=torch.contiguous_format), self._scale_inv.clone())
         return WeightCast(q, transpose(q)), None if state is None else record_amax(state, self._amax)
 
@@ -175,9 +171,7 @@ class Float8GatheredWeight(CarriedCast):
         w = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
         if func in (_aten.detach.default, _aten.alias.default):
             return cls(w._data, w._scale_inv, w._amax, w._recipe, w.dtype)
-        # FSDP trims the gathered padding (as_strided, view); a TransposedLinear (GPT-2's Conv1D,
-        # weight stored (in, out)) reads weight.t(): a tensor-wise cast is elementwise, so the
-        # transposed bytes are the cast of the transposed weight.
+        # FSDP trims the padding; a TransposedLinear reads weight.t(), whose cast is the transposed bytes.
         if func in (_aten.as_strided.default, _aten.view.default, _aten.t.default, _aten.transpose.int):
             data = func(w._data, *args[1:], **kwargs)
             return cls(data, w._scale_inv, w._amax, w._recipe, w.dtype)
@@ -193,10 +187,9 @@ class Float8GatheredWeight(CarriedCast):
 
 
 def enable_fsdp_float8_all_gather(model: nn.Module, recipe) -> nn.Module:
-    """Make FSDP all-gather every te_func GEMM weight of `model` in FP8 under `recipe`
-    (Float8CurrentScaling or DelayedScaling); call it before `fully_shard`. Returns `model`,
-    changed in place: each GEMM weight becomes a Float8AllGatherWeight with the same values,
-    but for a weight tied to another parameter use, which stays as it is."""
+    """Make FSDP all-gather every te_func GEMM weight of `model` in FP8 under `recipe` (tensor-wise);
+    call it before `fully_shard`. Returns `model`, its GEMM weights Float8AllGatherWeights (tied
+    weights stay as they are)."""
     if recipe is None or not lower(recipe).tensorwise:
         raise ValueError(f"FP8 all-gather covers the tensor-wise recipes (Float8CurrentScaling, DelayedScaling), got "
                          f"{type(recipe).__name__}: a block-scaled weight's blocks would have to follow FSDP's shard "
@@ -211,8 +204,7 @@ def enable_fsdp_float8_all_gather(model: nn.Module, recipe) -> nn.Module:
         for g in m.gemms():
             p = getattr(m, g.weight)
             if uses[id(p)] > 1:
-                # A weight another module also reads (GPT-2's lm_head tied to the embedding) needs
-                # its high-precision values there: it stays a plain parameter, gathered as such.
+                # A tied weight (GPT-2's lm_head) needs its high-precision values elsewhere.
                 continue
             if _is_dtensor(p):
                 raise ValueError(f"enable_fsdp_float8_all_gather: {path}.{g.weight} is already a DTensor; call it "
@@ -226,8 +218,7 @@ def enable_fsdp_float8_all_gather(model: nn.Module, recipe) -> nn.Module:
 
 
 def _plain_in_state_dict(module, state_dict, prefix, local_metadata):
-    # Checkpoints hold the plain values (sharing storage, so a checkpoint loaded in place
-    # lands in the parameters), loadable with or without FP8 all-gather.
+    # Checkpoints hold the plain values (sharing storage), loadable with or without FP8 all-gather.
     for k, v in state_dict.items():
         if k.startswith(prefix) and "." not in k[len(prefix):]:
             state_dict[k] = _unwrapped(v)

@@ -89,8 +89,7 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 def _chunk(rows: int, world: int) -> int:
-    # FSDP's and DTensor's Shard(0): torch.chunk's ceil(rows / world) rows a rank, the last ones
-    # shorter or empty.
+    # Shard(0): torch.chunk's ceil(rows / world) rows a rank, the last ones shorter or empty.
     return -(-rows // world)
 
 
@@ -103,8 +102,7 @@ def _all_gather_rows(local: torch.Tensor, rows: int, group) -> torch.Tensor:
     chunk = _chunk(rows, dist.get_world_size(group))
     local = _padded(local, chunk).contiguous()
     full = local.new_empty(dist.get_world_size(group) * chunk, *local.shape[1:])
-    # c10d's collectives on tensors made here: the functional ones carry autograd Functions
-    # that torch.func refuses, and the caller is the differentiable step.
+    # c10d's collectives: the functional ones carry autograd Functions torch.func refuses.
     with torch.no_grad():
         _ALL_GATHER(full, local, group=group)
     return full[:rows]
@@ -205,10 +203,9 @@ def gathered_params(model: nn.Module, params: dict):
 
 
 def gathered_for_grad(args: tuple, argnums: tuple) -> tuple[tuple, dict]:
-    """`args` with the DTensor entries of the dicts at `argnums` all-gathered into whole plain
-    tensors, and name -> DTensorSpec of those. tef.grad differentiates the whole tensors:
-    torch.func cannot trace DTensors nor the collectives' autograd, so the gather and the
-    gradients' reduce-scatter (`scattered_grads`) run outside the transform."""
+    """`args` with the DTensor entries at `argnums` gathered into whole plain tensors, and name ->
+    DTensorSpec of those: torch.func cannot trace DTensors, so gather and reduce-scatter
+    (`scattered_grads`) run outside the transform."""
     if not _initialized():
         return args, {}
     gathered, specs = list(args), {}

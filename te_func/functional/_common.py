@@ -37,9 +37,7 @@ def check_input(layer: str, inp: torch.Tensor, features: int, params: dict[str, 
         _assert_finite(layer, {"input": inp, **params})
 
 
-# Off by default: the check reads every input and parameter and waits for the
-# device. An inf would otherwise not stay visible: the FP8 casts saturate it
-# to the format's max, as TE does, and the output looks plausible.
+# Off by default (it waits for the device); without it an inf saturates in the FP8 casts, as TE's.
 _check_finite = False
 
 

@@ -26,8 +26,7 @@ def starts_step(is_first_microbatch: bool | None, update_state: bool | None = No
 
 
 def _trains(update_state: bool | None) -> bool:
-    # Whether this call is part of a training step: the frame decides when it opens (an
-    # activation checkpoint's no_grad forward inside a step still trains), else the grad mode.
+    # Whether this call trains: as the frame decided when it opened, else the grad mode.
     return torch.is_grad_enabled() if update_state is None else update_state
 
 
@@ -51,8 +50,7 @@ class GemmStep:
         cfg = GemmConfig.of(recipe, save_input=needs_weight_grad(weight))
         cast, weight_state, _ = cast_weight(weight, cfg.weight, gw.cast, is_first_microbatch, gw.weight)
         slot = GemmSlot(cfg, gemm)
-        # Only a call of a training step moves the stream (as TE draws only when it rounds):
-        # an evaluation under no_grad leaves it where it was.
+        # Only a training call moves the stream (TE draws only when it rounds).
         next_rng = advance_rng(gw.rng) if gw.rng is not None and _trains(update_state) else gw.rng
         return cls(gemm, lowering, slot, gw._replace(cast=cast, weight=weight_state), sink, next_rng)
 

@@ -57,8 +57,7 @@ def fp8_split_sizes(m_splits, num_gemms: int, tokens: int, recipe, layer: str = 
     """`split_sizes`, refusing what FP8 cannot trace: a tensor m_splits under torch.compile.
     recipe: the recipe in force, its name, or None (only None-ness is read)."""
     if recipe is not None and isinstance(m_splits, torch.Tensor) and torch.compiler.is_compiling():
-        # Compiled, a tensor's values are unknown until run time, and FP8 scaling
-        # (per-group amax, blocks along tokens) needs every group's size to trace.
+        # Compiled, FP8 scaling needs every group's size to trace, unknown in a tensor.
         raise ValueError(f"{layer}: under torch.compile with an FP8 recipe, pass m_splits as a list of "
                          f"Python ints (m_splits.tolist() outside the compiled function); the graph is "
                          f"then specialized to those sizes. A tensor m_splits compiles in high "
@@ -72,14 +71,10 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
                    update_state: bool | None = None, batch_scales: bool = False):
     """Row group i of inp times weights[i].T plus biases[i], in FP8 per `recipe` (None: F.linear).
 
-    inp: (tokens, in_features), or (..., in_features) flattened to tokens; the first
-    m_splits[0] tokens use weights[0], the next m_splits[1] weights[1], and so on.
-    weights[i]: (out_features, in_features); biases[i]: (out_features,) or None.
-    workspace: this op's entries (te_func.quant.workspace, GEMM i as `grouped_gemms`
-    names it), or None to start empty.
-    update_state, batch_scales: as `te_func.functional.linear`'s.
-    Returns `(out, new_workspace)`, out (..., out_features) in inp's dtype.
-    """
+    inp: (tokens, in_features) (more leading dims are flattened); group i is the m_splits[i] tokens
+    after the previous groups'. weights[i]: (out_features, in_features); biases[i]: (out_features,)
+    or None. workspace, update_state, batch_scales: as `te_func.functional.linear`'s.
+    Returns `(out, new_workspace)`, out (..., out_features) in inp's dtype."""
     layer = "GroupedLinear"
     n = len(weights)
     biases = [None] * n if biases is None else list(biases)

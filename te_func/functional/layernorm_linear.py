@@ -25,12 +25,9 @@ def layernorm_linear(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.
     """y = norm(inp) @ weight.T + bias, the GEMMs in FP8 per `recipe` (None: plain torch ops).
 
     inp: (..., in_features); ln_weight, ln_bias: (in_features,) (ln_bias None for RMSNorm);
-    weight: (out_features, in_features); bias: (out_features,).
-    workspace: this op's entries (te_func.quant.workspace), or None to start empty.
-    update_state, batch_scales: as `te_func.functional.linear`'s.
-    Returns `(out, new_workspace)`, out (..., out_features) in inp's dtype, or
-    `((out, ln_out), new_workspace)` with return_layernorm_output, ln_out (..., in_features).
-    """
+    weight: (out_features, in_features); bias: (out_features,). workspace, update_state,
+    batch_scales: as `te_func.functional.linear`'s. Returns `(out, new_workspace)`, or
+    `((out, ln_out), new_workspace)` with return_layernorm_output."""
     layer = "LayerNormLinear"
     out_features, in_features = weight.shape
     check_input(layer, inp, in_features, {"layer_norm_weight": ln_weight, "layer_norm_bias": ln_bias,

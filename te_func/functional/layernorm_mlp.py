@@ -37,16 +37,11 @@ def layernorm_mlp(inp: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Ten
                   batch_scales: bool = False):
     """y = fc2(act(fc1(norm(inp)))), the GEMMs in FP8 per `recipe` (None: plain torch ops).
 
-    inp: (..., hidden); ln_weight, ln_bias: (hidden,) (ln_bias None for RMSNorm);
-    fc1_weight: (ffn, hidden), or (2 * ffn, hidden) for a gated activation; fc1_bias: (fc1 width,);
-    fc2_weight: (hidden, ffn); fc2_bias: (hidden,).
-    activation_params: as TE's, clamped_swiglu's `limit`, `alpha`, `glu_linear_offset`
-    (defaults 7.0, 1.702, 1.0); other activations take none.
-    workspace: this op's entries (te_func.quant.workspace), or None to start empty.
-    update_state, batch_scales: as `te_func.functional.linear`'s.
-    Returns `(out, new_workspace)`, out (..., hidden) in inp's dtype, or
-    `((out, ln_out), new_workspace)` with return_layernorm_output.
-    """
+    inp: (..., hidden); ln_weight, ln_bias: (hidden,) (ln_bias None for RMSNorm); fc1_weight:
+    (ffn, hidden), (2 * ffn, hidden) for a gated activation; fc2_weight: (hidden, ffn).
+    activation_params: TE's, for clamped_swiglu only (`limit`, `alpha`, `glu_linear_offset`).
+    workspace, update_state, batch_scales: as `te_func.functional.linear`'s. Returns
+    `(out, new_workspace)`, or `((out, ln_out), new_workspace)` with return_layernorm_output."""
     layer = "LayerNormMLP"
     act = activation_spec(activation, activation_params, layer)
     hidden = fc1_weight.shape[1]

@@ -20,14 +20,10 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     """y = inp @ weight.T + bias, in FP8 per `recipe` (None: exactly `F.linear`).
 
     inp: (..., in_features); weight: (out_features, in_features); bias: (out_features,).
-    workspace: this op's entries (te_func.quant.workspace: `weight_cast.*`, and under
-    DelayedScaling the `input`, `weight` and `grad` states), or None to start empty.
-    update_state: whether a call that starts a step (is_first_microbatch True or None) updates
-    DelayedScaling's scales and rolls its histories; None: when grad is enabled, as in TE.
-    batch_scales: a per-sample call in batch scope (te_func.vmapped): the workspace's batch
-    amaxes give the scales (the same for every sample), rather than bounding them.
-    Returns `(out, new_workspace)`, out of shape (..., out_features) in inp's dtype.
-    """
+    workspace: this op's entries (docs/workspaces.md), or None to start empty.
+    update_state: whether a call that starts a step updates DelayedScaling's state (None: when grad
+    is enabled, as in TE). batch_scales: a per-sample call in batch scope, quantized with the
+    workspace's batch amaxes. Returns `(out, new_workspace)`, out (..., out_features) in inp's dtype."""
     out_features, in_features = weight.shape
     check_input("Linear", inp, in_features, {"weight": weight, "bias": bias}, recipe)
     workspace = {} if workspace is None else workspace

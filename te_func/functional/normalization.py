@@ -20,8 +20,7 @@ def _norm(layer, normalization, inp, weight, bias, eps, zero_centered_gamma, rec
     check_input(layer, inp, hidden, {"weight": weight, "bias": bias}, recipe)
     check_norm_params(layer, hidden, weight, bias, normalization)
     cfg = norm_config(layer, normalization, eps, zero_centered_gamma)
-    # The same computation under every recipe (nothing here is quantized): torch's
-    # own layer_norm / rms_norm, which autograd differentiates.
+    # The same under every recipe: torch's own layer_norm / rms_norm.
     return norm_reference(inp, weight, bias, cfg), ({} if workspace is None else workspace)
 
 
@@ -29,12 +28,8 @@ def layer_norm(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                eps: float = 1e-5, zero_centered_gamma: bool = False, recipe=None,
                workspace: dict | None = None, is_first_microbatch: bool | None = None,
                update_state: bool | None = None):
-    """y = (x - mean) / sqrt(var + eps) * gamma + bias over the last dim.
-
-    inp: (..., hidden); weight, bias: (hidden,); gamma = weight, or 1 + weight with
-    zero_centered_gamma. Computed in fp32 (float64 stays float64), returned in inp's
-    dtype. Returns `(out, workspace)`; the workspace is passed through unchanged.
-    """
+    """y = (x - mean) / sqrt(var + eps) * gamma + bias over the last dim (gamma = weight, or 1 + weight
+    with zero_centered_gamma), in fp32 (float64 stays), returned in inp's dtype with `workspace`."""
     return _norm("LayerNorm", "LayerNorm", inp, weight, bias, eps, zero_centered_gamma, recipe, workspace)
 
 

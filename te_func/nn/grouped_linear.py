@@ -15,12 +15,9 @@ class GroupedLinear(TEModule):
 
     Parameters as TE: `weight0..weight{n-1}` (out_features, in_features), `bias0..` (out_features,).
     forward(inp (tokens, in_features), m_splits, *, is_first_microbatch=None) -> (tokens, out_features):
-    the first m_splits[0] tokens use weight0, the next m_splits[1] weight1, and so on. m_splits
-    is a list of ints or a 1-D integer tensor (read with `.tolist()`, see
-    `te_func.functional.grouped_linear.split_sizes`); zeros are allowed, the sum must be the
-    token count. With return_bias=True the biases are not added and forward returns
-    `(out, [bias0, ..., bias{n-1}])`, as TE returns its per-GEMM biases (None where bias=False).
-    """
+    group i is the m_splits[i] tokens after the previous groups' (a list of ints or a 1-D integer
+    tensor; zeros allowed, summing to the token count). return_bias=True returns `(out, [bias0, ...])`
+    without adding them, as TE does."""
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype=None, device=None, return_bias: bool = False):

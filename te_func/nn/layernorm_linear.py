@@ -14,12 +14,9 @@ __all__ = ["LayerNormLinear"]
 class LayerNormLinear(TEModule):
     """y = norm(x) @ weight.T + bias, the GEMMs in FP8 under a recipe (the norm in high precision).
 
-    Parameters as TE: `layer_norm_weight` (in_features,), `layer_norm_bias` (in_features,;
-    LayerNorm only), `weight` (out_features, in_features), `bias` (out_features,).
-    forward(inp (..., in_features), *, is_first_microbatch=None) -> out (..., out_features);
-    as in TE, `(out, bias)` with return_bias (the bias then not added), `(out, ln_out)` with
-    return_layernorm_output, `(out, bias, ln_out)` with both.
-    """
+    Parameters as TE: `layer_norm_weight`, `layer_norm_bias` (in_features,; LayerNorm only), `weight`
+    (out_features, in_features), `bias`. forward(inp (..., in_features), *, is_first_microbatch=None);
+    as in TE, `(out, bias)` with return_bias, `(out, ln_out)` with return_layernorm_output, or both."""
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True, *,
                  normalization: str = "LayerNorm", zero_centered_gamma: bool = False,

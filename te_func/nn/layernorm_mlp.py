@@ -15,15 +15,11 @@ __all__ = ["LayerNormMLP"]
 class LayerNormMLP(TEModule):
     """y = fc2(act(fc1(norm(x)))), the GEMMs in FP8 under a recipe.
 
-    Parameters as TE: `layer_norm_weight`, `layer_norm_bias` (hidden_size,; LayerNorm only),
-    `fc1_weight` (ffn_hidden_size, hidden_size), twice as tall for gated activations,
-    `fc1_bias` (fc1_weight's rows,), `fc2_weight` (hidden_size, ffn_hidden_size), `fc2_bias` (hidden_size,).
-    Activations: gelu (tanh approximation), geglu, glu, qgelu, qgeglu, relu, reglu, srelu, sreglu,
-    silu, swiglu, clamped_swiglu (`activation_params` limit, alpha, glu_linear_offset: TE's 7.0,
-    1.702, 1.0); gated ones compute act(first half of fc1) * second half (te_func.ops.activations).
-    forward(inp (..., hidden_size), *, is_first_microbatch=None) -> (..., hidden_size); tuples
-    as LayerNormLinear's with return_bias (fc2_bias) / return_layernorm_output.
-    """
+    Parameters as TE: `layer_norm_weight`, `layer_norm_bias` (LayerNorm only), `fc1_weight`
+    (ffn_hidden_size, hidden_size; twice as tall for gated activations), `fc1_bias`, `fc2_weight`
+    (hidden_size, ffn_hidden_size), `fc2_bias`. Activations as TE's: gelu (tanh), geglu, glu, qgelu,
+    qgeglu, relu, reglu, srelu, sreglu, silu, swiglu, clamped_swiglu (`activation_params`). Returns
+    as LayerNormLinear's with return_bias (fc2_bias) / return_layernorm_output."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True, *,
                  normalization: str = "LayerNorm", activation: str = "gelu", activation_params: dict | None = None,

@@ -11,12 +11,8 @@ __all__ = ["Linear", "TransposedLinear"]
 
 
 class Linear(TEModule):
-    """y = x @ weight.T + bias, in FP8 under a recipe.
-
-    Parameters as TE: `weight` (out_features, in_features), `bias` (out_features,).
-    forward(inp (..., in_features), *, is_first_microbatch=None) -> (..., out_features),
-    or `(out, bias)` with return_bias=True (the bias then not added, as in TE).
-    """
+    """y = x @ weight.T + bias, in FP8 under a recipe. Parameters as TE: `weight` (out_features,
+    in_features), `bias` (out_features,). return_bias=True returns `(out, bias)` without adding it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, params_dtype=None,
                  device=None, return_bias: bool = False):

@@ -11,11 +11,8 @@ __all__ = ["TEModule"]
 
 
 class TEModule(nn.Module):
-    """A parameter holder whose forward runs one `te_func.functional` op.
-
-    Subclasses list their FP8 GEMMs in `gemms()`; the layer's workspace (per
-    GEMM, te_func.quant.workspace's entries) follows from that list.
-    """
+    """A parameter holder whose forward runs one `te_func.functional` op; its workspace follows
+    from the FP8 GEMMs its subclass lists in `gemms()`."""
 
     def gemms(self) -> tuple[Gemm, ...]:
         """The layer's FP8 GEMMs, as its functional op declares them."""

@@ -30,11 +30,7 @@ class _Norm(TEModule):
 
 class LayerNorm(_Norm):
     """y = (x - mean) / sqrt(var + eps) * gamma + bias over the last dim, in high precision.
-
-    Parameters as TE: `weight` (hidden_size,) (gamma, or gamma - 1 with
-    zero_centered_gamma), `bias` (hidden_size,).
-    forward(inp (..., hidden_size)) -> (..., hidden_size), inp's dtype.
-    """
+    Parameters as TE: `weight` (gamma, or gamma - 1 with zero_centered_gamma), `bias` (hidden_size,)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, *, zero_centered_gamma: bool = False,
                  params_dtype=None, device=None):
@@ -46,10 +42,7 @@ class LayerNorm(_Norm):
 
 
 class RMSNorm(_Norm):
-    """y = x / sqrt(mean(x**2) + eps) * gamma over the last dim, in high precision.
-
-    Parameter as TE: `weight` (hidden_size,). forward(inp (..., hidden_size)) -> same shape.
-    """
+    """y = x / sqrt(mean(x**2) + eps) * gamma over the last dim, in high precision; `weight` as TE's."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, *, zero_centered_gamma: bool = False,
                  params_dtype=None, device=None):

@@ -71,9 +71,8 @@ def _dsigmoid(x):
     return s * (1.0 - s)
 
 
-# clamped_swiglu (GPT-OSS's SwiGLU): the activated half is clamped from above and goes through
-# qgelu with TE's `alpha`; the gate half is clamped to [-limit, limit] and offset. Where a clamp
-# is active its derivative is 0 (TE's kernels test `<= limit`, so the bound itself passes).
+# clamped_swiglu (GPT-OSS's): the activated half clamped from above through qgelu with `alpha`, the
+# gate clamped to [-limit, limit] and offset; an active clamp's derivative is 0 (TE tests `<= limit`).
 def _clamped_silu(x, limit, alpha, glu_linear_offset):
     return _qgelu(torch.clamp(x, max=limit), alpha)
 
@@ -159,11 +158,8 @@ def _compute_dtype(x):
     return torch.promote_types(x.dtype, torch.float32)
 
 
-# torch's own kernels for relu and silu, for the FP8 path's forward and explicit
-# backward: one pass over fc1's output each way, where the formulas above are ten or so
-# fp32 passes in eager (inductor fuses either). Like the formulas they compute in fp32 and
-# round once to x's dtype, so they agree with them to fp32 rounding; float64 keeps the
-# formulas (the exact references the tests compare against).
+# torch's own relu and silu kernels for the FP8 path: one pass each way where the formulas take ten
+# eagerly; fp32 math rounded once, so equal to fp32 rounding (float64 keeps the formulas).
 class _Fused(NamedTuple):
     fn: Callable        # x -> act(x)
     dfn: Callable       # (dy, x) -> dy * act'(x)
@@ -176,9 +172,8 @@ def _relu_backward(dy, x):
 
 _RELU = _Fused(F.relu, _relu_backward)
 _SILU = _Fused(F.silu, torch.ops.aten.silu_backward)
-# Not the GELU: under torch.compile its formulas let inductor fuse the activation into the
-# casts' passes, faster and with less memory than torch's gelu kernels (docs/benchmarks.md);
-# eagerly on a GPU te_func.kernels computes the formulas in one pass (`activation_with_amax`).
+# Not the GELU: its formulas fuse into the casts under inductor (docs/benchmarks.md), and eagerly
+# te_func.kernels computes them in one pass.
 _FUSED = {"relu": _RELU, "reglu": _RELU, "silu": _SILU, "swiglu": _SILU}
 
 
@@ -214,10 +209,8 @@ def _forward(act: Activation, x: torch.Tensor, k: _Fused) -> torch.Tensor:
     return k.fn(xf).to(x.dtype)
 
 
-# torch's own functions for the high-precision path, which autograd differentiates: gelu
-# and relu keep only their input for backward, where gelu's formula keeps six
-# intermediates. (F.silu is left out there: its eager backward and torch.func.grad's
-# differ in the last bit.)
+# torch's own functions for the high-precision path: gelu and relu keep only their input for
+# backward (F.silu not: its eager and torch.func.grad backwards differ in the last bit).
 def _torch_gelu(x):
     return F.gelu(x, approximate="tanh")
 
@@ -251,9 +244,8 @@ def activation_backward(act: Activation, dy: torch.Tensor, x: torch.Tensor) -> t
     return k.dfn(dy, xf).to(x.dtype)
 
 
-# The FP8 path's GELU and its gradient by te_func.kernels (eager CUDA): the formulas' bits, with
-# the amax (and the gradient's column sums, fc1's bias gradient) taken in the same pass, so the
-# cast that follows needs no amax pass, as with TE's fused activation kernels.
+# The FP8 path's GELU and gradient by te_func.kernels (eager CUDA), with the amax (and fc1's bias
+# gradient) taken in the same pass, as TE's fused activation kernels do.
 _KERNELS = {"gelu": ("gelu", "gelu_backward")}
 
 
@@ -277,9 +269,8 @@ def activation_with_amax(act: Activation, x: torch.Tensor, bias: torch.Tensor | 
 
 def activation_grad_with_sums(act: Activation, dy: torch.Tensor, x: torch.Tensor, column_sums: bool,
                               bias: torch.Tensor | None = None):
-    """`activation_backward(act, dy, x + bias)` -> (g, max |g| () fp32 where a kernel made it (else
-    None), g.sum(0) in g's dtype or None without `column_sums`). x, bias: as `activation_with_amax`
-    returned them."""
+    """`activation_backward(act, dy, x + bias)` -> (g, max |g| where a kernel made it, g.sum(0) or
+    None); x, bias as `activation_with_amax` returned them."""
     if act.name in _KERNELS and dy.dtype == x.dtype:
         fused = kernels.activation(dy, _KERNELS[act.name][1], x, column_sums, bias)
         if fused is not None:

@@ -73,8 +73,7 @@ class LayerNormMLPFP8:
             return out
         dfc1, dfc1_amax, dfc1_sum = activation_grad_with_sums(self.activation, dact, s["fc1_out"], need["fc1_bias"],
                                                               s["fc1_bias_pending"])   # (tokens, fc1 width)
-        # The (tokens, ffn) gradients go as soon as they are used (eager's peak memory): dact
-        # here, dfc1 once its FP8 casts are made, before fc1's backward GEMMs.
+        # The (tokens, ffn) gradients go as soon as they are used (eager's peak memory).
         del dact
         out["fc1_bias"] = ctx.cast("fc1_bias", dfc1_sum)
         casts = self.fc1.backward_cast(s, dfc1, need_dln, ctx, dfc1_amax)

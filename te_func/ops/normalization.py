@@ -41,8 +41,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _gamma(weight: torch.Tensor, cfg: NormConfig, dtype: torch.dtype) -> torch.Tensor:
-    # 1 + weight in fp32, not in the parameter's dtype: in bf16 it would round
-    # away the small offsets zero_centered_gamma exists to keep.
+    # 1 + weight in fp32: bf16 would round away the offsets zero_centered_gamma keeps.
     gamma = weight.to(dtype)
     return gamma + 1 if cfg.zero_centered_gamma else gamma
 
@@ -85,11 +84,8 @@ _CHUNKS, _MIN_ROWS_TO_CHUNK = 4, 1024
 def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rsigma: torch.Tensor,
                   weight: torch.Tensor, cfg: NormConfig):
     """dy (tokens, hidden) -> (dx in x's dtype, dweight (hidden,) fp32, dbias (hidden,) fp32)."""
-    # Written for eager's peak memory: two (tokens, hidden) fp32 temporaries live at once for
-    # the parameter gradients, then dx is made in _CHUNKS row chunks (each row's math is its
-    # own, so the chunks give the same bits), four temporaries of a chunk's size each.
-    # dy enters the products in its own dtype (the multiply promotes to fp32 inside the
-    # kernel: the values of an fp32 copy). Under torch.compile inductor fuses it all: one chunk.
+    # For eager's peak memory: dx is made in _CHUNKS row chunks (the same bits: rows are
+    # independent), dy enters in its own dtype (promoted inside the kernel). Compiled: one chunk.
     ct = _compute_dtype(x)
     gamma, rows = _gamma(weight, cfg, ct), x.shape[0]
     if ct == torch.float32:
@@ -129,8 +125,7 @@ def norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     F.rms_norm on the tensors as they are, so a converted torch norm gives the same bits; with
     zero_centered_gamma, 1 + weight is formed in fp32 and the norm runs there."""
     shape = (x.shape[-1],)
-    # torch takes params of x's dtype, or fp32 ones for a low-precision x; other mixes
-    # (fp32 x, bf16 params) go the fp32 way below.
+    # torch takes params of x's dtype or fp32; other mixes go the fp32 way below.
     torch_takes = weight.dtype == x.dtype or (weight.dtype == torch.float32 and x.element_size() == 2)
     if not cfg.zero_centered_gamma and torch_takes and (bias is None or bias.dtype == weight.dtype):
         if cfg.rms:

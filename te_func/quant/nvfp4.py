@@ -26,30 +26,24 @@ E4M3_MAX = 448.0
 BLOCK = 16
 _FLT_MAX = torch.finfo(torch.float32).max
 
-# TE's fixed sign pattern for the weight-gradient Hadamard transform (nvfp4_tensor.py's
-# get_wgrad_sign_vector; TE calls it "random" but hard-codes it, so every run and every
-# device use the same transform): the transform of a 16-vector v is (v * signs) @ H16 / 4.
+# TE's fixed sign pattern for the "random" Hadamard transform (get_wgrad_sign_vector, hard-coded):
+# the transform of a 16-vector v is (v * signs) @ H16 / 4.
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 
 # --- scales ------------------------------------------------------------------------------------
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = (6 * 448) / amax in fp32 (one division), the largest finite fp32 where that
-    overflows, and 1 where amax is 0 or inf (TE's compute_global_encode_scaling_factor_FP4).
-    `amax` is () fp32 and never NaN: it is taken skipping NaN elements."""
+    """S_enc = (6 * 448) / amax in fp32 (one division), the largest finite fp32 where that overflows,
+    1 where amax is 0 or inf (TE's compute_global_encode_scaling_factor_FP4)."""
     s = torch.full_like(amax, E2M1_MAX * E4M3_MAX) / amax
     s = torch.clamp(s, max=_FLT_MAX)
     return torch.where((amax == 0) | (s == 0), 1.0, s)
 
 
 def block_decode_scale(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
-    """Each block's E4M3 scale: fl(block_amax * fl(S_enc * fl32(1/6))), saturated to 448.
-
-    TE folds 1/6 into S_enc first (two fp32 roundings, not one division); the cast to E4M3
-    rounds to nearest even and saturates (satfinite). A block far smaller than the tensor's
-    amax gets a subnormal E4M3 scale, or 0.
-    """
+    """Each block's E4M3 scale: fl(block_amax * fl(S_enc * fl32(1/6))) (TE folds 1/6 in first),
+    rounded to nearest even and saturated to 448; a tiny block gets a subnormal scale, or 0."""
     s = block_amax * (s_enc * (1.0 / E2M1_MAX))        # a Python scalar multiplies in fp32
     return torch.clamp(s, max=E4M3_MAX).to(torch.float8_e4m3fn)
 
@@ -67,24 +61,17 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def _with_sign(mag: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Codes from magnitude codes (float 0..7, NaN where v is NaN) and v's sign bit (0x8).
-
-    The sign is kept (-0.0 and values rounding to zero give code 8), but a NaN becomes +6: a
-    satfinite conversion to E2M1, which has no NaN, gives positive MAX_NORM (TE's ptx.cuh says
-    so for its software rounding, which follows the hardware's)."""
+    """Codes from magnitude codes (float 0..7, NaN where v is NaN) and v's sign bit (0x8). The sign
+    is kept (-0.0 gives 8), but a NaN becomes +6, as satfinite conversion to E2M1 gives (ptx.cuh)."""
     nan = torch.isnan(v)
     mag = torch.where(nan, 7.0, mag)
     return (mag + torch.where(torch.signbit(v) & ~nan, 8.0, 0.0)).to(torch.uint8)
 
 
 def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (uint8, 0..15) of fp32 `v`: nearest value, ties to the even code, |v| > 6
-    (inf included) saturating to 6, NaN to +6 (cvt.rn.satfinite.e2m1x2.f32).
-
-    The grid is 0.5 apart below 2, 1 apart below 4, 2 apart above, and codes count grid points,
-    so on each stretch the code is an offset plus round(a / spacing); torch.round rounds half to
-    even, and with even offsets an even multiple is an even code.
-    """
+    """E2M1 codes (uint8, 0..15) of fp32 `v`: nearest, ties to even, |v| > 6 to 6, NaN to +6
+    (cvt.rn.satfinite.e2m1x2.f32). On each stretch of the grid (0.5 apart below 2, 1 below 4, 2
+    above) the code is an even offset plus round(a / spacing), which torch.round takes to even."""
     a = torch.clamp(v.abs(), max=E2M1_MAX)
     mag = torch.where(a < 2, torch.round(2 * a), torch.where(a < 4, 2 + torch.round(a), 4 + torch.round(0.5 * a)))
     return _with_sign(mag, v)
@@ -186,9 +173,7 @@ def _philox_bytes(rng_state: torch.Tensor, stream: int, numel: int) -> torch.Ten
     return per_byte.reshape(*per_byte.shape[:-3], -1)[..., :numel]
 
 
-# One opaque op under torch.compile: traced, Philox's ten rounds are some 300 integer ops
-# per rounding, which cost dynamo and AOT autograd seconds per GEMM; as a custom op the graph
-# holds one node that runs this same torch code (eager and every backend alike).
+# One opaque op under torch.compile: traced, Philox's 300-odd integer ops cost seconds per GEMM.
 @torch.library.custom_op("te_func::nvfp4_random_bytes", mutates_args=())
 def _random_bytes_op(rng_state: torch.Tensor, stream: int, numel: int) -> torch.Tensor:
     return _philox_bytes(rng_state, stream, numel)

@@ -23,22 +23,19 @@ class Scheme:
     """How one tensor role is quantized under one recipe (see `scheme_for`)."""
     dtype: torch.dtype            # float8_e4m3fn or float8_e5m2; uint8 for NVFP4 (two E2M1 codes a byte)
     fp8_max: float                # the format's largest value (6 for E2M1)
-    # None: one scale for the whole tensor. Else (rows, cols) of a block of the 2-D tensor;
-    # (1, 32) or (32, 32) MXFP8, (1, 128) or (128, 128) Float8BlockScaling, (1, 16) or (16, 16) NVFP4.
+    # None: one scale per tensor; else a block's (rows, cols): MXFP8 32s, Float8BlockScaling 128s, NVFP4 16s.
     block: tuple[int, int] | None
     rule: str                     # "current", "delayed", "e8m0" or "nvfp4"
     amax_epsilon: float = 0.0
     power_2_scale: bool = False
     margin: int = 0
-    # NVFP4 only: the random Hadamard transform of the columnwise (weight-gradient) copy,
-    # and stochastic rounding, which draws from an RNG state (te_func.quant.nvfp4).
+    # NVFP4 only: the columnwise copy's Hadamard transform, and stochastic rounding.
     hadamard: bool = False
     stochastic_rounding: bool = False
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        # E8M0 as its bytes, uint8 (as TE keeps MXFP8 scales): torch's float8_e8m0fnu has no type
-        # in inductor's CPU code generation (torch 2.13), so compiled code could not hold it.
+        # E8M0 as its bytes, uint8, as TE keeps them (inductor's CPU code has no float8_e8m0fnu).
         return {"e8m0": torch.uint8, "nvfp4": torch.float8_e4m3fn}.get(self.rule, torch.float32)
 
     @property
@@ -67,9 +64,8 @@ def scheme_for(recipe, role: str) -> Scheme:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if isinstance(recipe, NVFP4BlockScaling):
-        # TE's derived QParams: 16x16 blocks for weights (unless disable_2d_quantization), the
-        # Hadamard transform for the columnwise copies of inputs and gradients (unless disable_rht),
-        # stochastic rounding for gradients (unless disable_stochastic_rounding).
+        # TE's derived QParams: 16x16 weight blocks, the Hadamard transform of inputs' and gradients'
+        # columnwise copies, stochastic rounding of gradients (each unless its `disable_*`).
         qp = recipe.qparams(role)
         block = (16, 16) if qp.fp4_2d_quantization else (1, 16)
         return _scheme(torch.uint8, recipe.fp4_format.max(role), block, "nvfp4",
@@ -95,33 +91,25 @@ def scheme_for(recipe, role: str) -> Scheme:
 
 def _scheme(dtype, fp8_max, block, rule, amax_epsilon=0.0, power_2_scale=False, margin=0, hadamard=False,
             stochastic_rounding=False) -> Scheme:
-    # Every field given, as te_func.quant.Quantized.tensorwise says why (this function's own
-    # defaults are checked by torch.compile in C++).
+    # Every field given (see Quantized.tensorwise).
     return Scheme(dtype, fp8_max, block, rule, amax_epsilon, power_2_scale, margin, hadamard, stochastic_rounding)
 
 
 def round_down_pow2(scale: torch.Tensor) -> torch.Tensor:
-    """Largest power of 2 <= scale (positive normal fp32), by clearing the mantissa bits.
-
-    Bit arithmetic, not exp2(floor(log2)), because log2 may round up to the
-    next integer just below a power of 2.
-    """
+    """Largest power of 2 <= scale (positive normal fp32), by clearing the mantissa bits (log2 may
+    round up just below a power of 2)."""
     bits = scale.view(torch.int32) & -(1 << 23)  # keep sign and exponent
     return bits.view(torch.float32)
 
 
 def scale_from_amax(amax: torch.Tensor, fp8_max: float, amax_epsilon: float = 0.0,
                     power_2_scale: bool = False) -> torch.Tensor:
-    """Current scaling: scale = fp8_max / max(amax, eps); 1 where amax is 0, inf or NaN.
-
-    A finite amax so small that the quotient overflows gets the largest finite
-    fp32 scale rather than inf, so that the cast stays finite.
-    """
+    """Current scaling: scale = fp8_max / max(amax, eps); 1 where amax is 0, inf or NaN; the largest
+    finite fp32 where the quotient overflows, so that the cast stays finite."""
     amax = amax.float()
     if amax_epsilon > 0:
         amax = torch.clamp(amax, min=amax_epsilon)
-    # One correctly rounded fp32 division, as TE: `python_float / tensor` would
-    # compute reciprocal(amax) * fp8_max, rounding twice.
+    # One rounded division, as TE (`python_float / tensor` rounds twice).
     scale = torch.full_like(amax, fp8_max) / amax
     scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
     bad = (amax == 0) | ~torch.isfinite(amax)
@@ -130,18 +118,13 @@ def scale_from_amax(amax: torch.Tensor, fp8_max: float, amax_epsilon: float = 0.
 
 
 def e8m0_scale_inv(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
-    """MXFP8: the smallest power of 2 >= fl(amax * fl(1/fp8_max)), as E8M0 bytes (uint8: the
-    biased exponent; `e8m0_to_float` decodes them).
-
-    Saturates to [2**-127, 2**127]; an amax of 0 gives 2**-127, NaN gives NaN (0xFF).
-    Computed on the fp32 bits so that it is exact.
-    """
+    """MXFP8: the smallest power of 2 >= fl(amax * fl(1/fp8_max)) as E8M0 bytes (uint8), exact on
+    the fp32 bits; within [2**-127, 2**127], amax 0 gives 2**-127, NaN gives 0xFF."""
     ratio = amax.float() * torch.tensor(1.0 / fp8_max, dtype=torch.float32)
     bits = ratio.view(torch.int32)
     exponent = (bits >> 23) & 0xFF                  # biased; 0 for zero and denormals
     mantissa = bits & 0x7FFFFF
-    # Round up unless already a power of 2; a denormal ratio <= 2**-127 (mantissa
-    # at most half the denormal range) is already covered by 2**-127.
+    # Round up unless a power of 2; a denormal ratio <= 2**-127 is covered by 2**-127.
     round_up = (mantissa != 0) & ~((exponent == 0) & (mantissa <= 0x400000))
     biased = torch.clamp(exponent + round_up.to(torch.int32), 0, 254)
     biased = torch.where(torch.isnan(ratio), 255, biased)  # 0xFF encodes NaN in E8M0
