@@ -19,8 +19,7 @@ __all__ = ["transform_levels", "current_level", "tensor_level", "is_wrapped", "i
 
 
 def transform_levels() -> list[str]:
-    """The torch.func transforms active now, outermost first: "grad", "jvp", "vmap" or
-    "functionalize" each (torch.func.vjp and jacrev are "grad" levels, jacfwd a "jvp" one)."""
+    """The torch.func transforms active now, outermost first: "grad", "jvp", "vmap", "functionalize"."""
     kinds = {pyfunctorch.GradInterpreter: "grad", pyfunctorch.JvpInterpreter: "jvp",
              pyfunctorch.VmapInterpreter: "vmap", pyfunctorch.FunctionalizeInterpreter: "functionalize"}
     return [kinds.get(type(i), type(i).__name__) for i in pyfunctorch.retrieve_all_functorch_interpreters()]
@@ -79,8 +78,7 @@ def base_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def requires_grad(t: torch.Tensor) -> bool:
-    """Whether any autograd level tracks `t`: its own, or one under a torch.func wrapper (a
-    vmap-batched tensor reads requires_grad False although plain autograd below tracks it)."""
+    """Whether any autograd level tracks `t`, also one under a torch.func wrapper (vmap's)."""
     while True:
         if t.requires_grad:
             return True
@@ -95,8 +93,7 @@ def forward_ad_active() -> bool:
 
 
 def guard_cpu_loop_split_at_compile() -> None:
-    """`guard_cpu_loop_split` at the start of every torch.compile, rather than now: inductor's
-    C++ codegen is imported by then, and importing it for te_func would cost a quarter second."""
+    """`guard_cpu_loop_split` at the start of every torch.compile, when inductor is imported anyway."""
     try:
         from torch._dynamo.callback import on_compile_start
     except ImportError:
@@ -162,8 +159,7 @@ def _view_dtype(info, in_dims, x, dtype):
 
 
 def ensure_view_dtype_batching(force: bool = False) -> bool:
-    """Register the rule where this torch lacks one (or always with `force`, for tests in a
-    process of their own: torch's own rule is then replaced). Returns whether te_func's rule is on."""
+    """Register the rule where torch lacks one (or with `force`); returns whether it is on."""
     global view_dtype_rule_registered, _view_dtype_library
     if view_dtype_rule_registered or (not force and _has_view_dtype_rule()):
         return view_dtype_rule_registered

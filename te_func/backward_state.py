@@ -24,8 +24,7 @@ __all__ = ["merge", "reduce_amaxes", "merge_inboxes", "DeliverToInboxes", "deliv
 # --- tef.grad ------------------------------------------------------------------------------
 
 def reduce_amaxes(state_grads: dict, groups: dict) -> dict:
-    """The backward amaxes (slot 0 of each grad history's "gradient") all-reduced over the group
-    each entry's call chose, one all-reduce per group, as TE reduces them after a backward."""
+    """The backward amaxes all-reduced over each entry's group, one all-reduce per group (as TE)."""
     by_group: dict = {}
     for k, g in state_grads.items():
         if groups.get(k) is not None:
@@ -66,10 +65,8 @@ def _(histories, inboxes):
 
 
 class DeliverToInboxes(torch.autograd.Function):
-    """`DeliverToInboxes.apply(*histories, *inboxes)` is `histories`. Backward merges each history's
-    gradient (the backward amax) into its inbox by max, in place, and passes no gradient on. In a
-    compiled graph (one autograd node) it runs whatever the backward was asked for. One Function
-    for all histories: dynamo traces each apply at length."""
+    """`DeliverToInboxes.apply(*histories, *inboxes)` is `histories`; backward merges each history's
+    gradient (the backward amax) into its inbox by max, whatever the backward was asked for."""
 
     @staticmethod
     def forward(*histories_and_inboxes):
@@ -89,8 +86,7 @@ class DeliverToInboxes(torch.autograd.Function):
 
 
 def deliver(shell_ref, key: str, amax: torch.Tensor):
-    """An eager call's backward amax for history `key`, from the op's node, into the inbox by max
-    (the shell held weakly)."""
+    """An eager call's backward amax for history `key`, from the op's node, into the inbox by max."""
     shell = shell_ref()
     if shell is None or key not in shell._inboxes:
         return

@@ -124,8 +124,7 @@ class _Block:
     update_state: bool | None
     batch_scales: bool
     weight_cache: bool
-    # [(pytree spec of the outputs, their leaves with None for each tensor)], set by the forward:
-    # tensors go through the Function, anything else (a HuggingFace cache object) as the forward left it.
+    # [(the outputs' pytree spec, their non-tensor leaves)], set by the forward (tensors go through the Function).
     out: list
 
     def split(self, values):

@@ -68,8 +68,7 @@ def _norm(old: nn.LayerNorm | nn.RMSNorm) -> tuple[nn.Module | None, str | None]
         new = LayerNorm(shape[0], eps=old.eps, params_dtype=old.weight.dtype, device="meta")
         new.weight, new.bias = old.weight, old.bias
     else:
-        # eps=None means "the input's dtype's epsilon" in torch; te_func computes in fp32
-        # and needs a number: that of the weight's dtype (inputs in the weight's dtype).
+        # eps=None is the input dtype's epsilon in torch; te_func needs a number: the weight dtype's.
         eps = torch.finfo(old.weight.dtype).eps if old.eps is None else old.eps
         new = RMSNorm(shape[0], eps=eps, params_dtype=old.weight.dtype, device="meta")
         new.weight = old.weight
@@ -86,8 +85,7 @@ def _batched_weights(module: nn.Module) -> str | None:
 
 
 def _replacement(module: nn.Module, conv1d) -> tuple[nn.Module | None, str | None] | None:
-    """(new layer or None, why not) for a convertible module or one that holds GEMM weights te_func
-    cannot take; None for any other."""
+    """(new layer or None, why not) for a module that holds GEMM weights; None for any other."""
     if isinstance(module, TEModule):
         return None
     if type(module) is nn.Linear:
@@ -132,8 +130,7 @@ def convert(model: nn.Module, *, module_filter_fn: Callable[[nn.Module, str], bo
 
 
 def gemm_size(tokens: int, in_features: int, out_features: int) -> float:
-    """1 / (1/tokens + 1/in + 1/out): a GEMM's arithmetic intensity up to a constant, the same
-    for its forward, input-gradient and weight-gradient GEMMs."""
+    """1 / (1/tokens + 1/in + 1/out): the arithmetic intensity of a layer's three GEMMs, up to a constant."""
     return 1.0 / (1.0 / tokens + 1.0 / in_features + 1.0 / out_features) if tokens and in_features and \
         out_features else 0.0
 

@@ -39,25 +39,20 @@ class EntryMismatchError(WorkspaceError, ValueError):
 
 
 class RecipeMismatchError(WorkspaceError, ValueError):
-    """Workspaces (or a frozen checkpoint) made for another recipe, or in another format version.
-    Attributes: recipe (the one run with)."""
+    """Workspaces or a frozen checkpoint made for another recipe or format (`recipe`: the one run with)."""
 
 
 class TransformError(Error, RuntimeError):
-    """A torch transform, autograd mode or call pattern that te_func refuses rather than compute
-    something wrong. Attributes: layer where one is named."""
+    """A transform, autograd mode or call pattern te_func refuses rather than compute wrongly (`layer`)."""
 
 
 class DerivativeError(TransformError, NotImplementedError):
-    """A derivative that te_func's ops do not give in this setting (forward mode or a second
-    derivative where it has no way to compute it)."""
+    """A derivative te_func's ops do not give in this setting."""
 
 
 class FrozenModelError(Error, RuntimeError, ValueError):
-    """A frozen (inference-only) model used where a trainable one is needed: trained (a
-    RuntimeError, as before), or handed to tef.Stateful (a ValueError, as before)."""
+    """A frozen model trained (RuntimeError) or handed to tef.Stateful (ValueError)."""
 
 
 class HighPrecisionWarning(UserWarning):
-    """te_func layers ran outside tef.functional_call, tef.Stateful and tef.autocast: no recipe
-    ran, so they computed in high precision (a converted model handed to a trainer as it is)."""
+    """te_func layers ran outside every frame, so in high precision."""

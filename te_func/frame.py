@@ -108,8 +108,7 @@ _fingerprints_seen: dict[int, tuple] = {}
 
 
 def _recipe_made_for(t: torch.Tensor) -> tuple[int, int] | None:
-    """(format version, fingerprint) of a RECIPE_KEY entry, or None where a read would break a
-    transform (torch.compile, vmap over stacked workspaces)."""
+    """(format version, fingerprint) of a RECIPE_KEY entry, or None where a read would break a transform."""
     if torch.compiler.is_compiling() or _compat.is_wrapped(t):
         return None
     seen = _fingerprints_seen.get(id(t))
@@ -236,8 +235,7 @@ def validate_workspaces(model, ws, recipe):
 
 
 def keeps_weight_casts(model, ws, recipe) -> bool:
-    """validate_workspaces, then whether `ws` keeps the weight casts: False for the workspaces
-    of init_workspaces(..., weight_cache=False) of a model with FP8 GEMMs."""
+    """validate_workspaces, then whether `ws` keeps the weight casts (not: weight_cache=False)."""
     return _validate(model, ws, recipe)[1]
 
 
@@ -262,8 +260,7 @@ def _validate(model, ws, recipe) -> tuple[dict, bool]:
     return owners, "cast" not in dropped
 
 
-# torch.func.functional_call swaps the given tensors into the module's attributes while it runs:
-# a model's eager calls take turns across threads (compiled code reads its inputs instead).
+# torch.func.functional_call swaps tensors into the module while it runs: eager calls take turns.
 _locks: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
 _locks_lock = threading.Lock()
 
@@ -341,8 +338,7 @@ def _refuse_second_differentiated_call(model, owners: dict, scopes: list, backwa
 
 @contextlib.contextmanager
 def autocast(recipe):
-    """Run te_func modules called inside in FP8 per `recipe`, caching nothing (stateless recipes
-    only: DelayedScaling needs workspaces)."""
+    """Run te_func modules called inside in FP8 per `recipe`, caching nothing (stateless recipes)."""
     _check_recipe(recipe)
     with push(Frame(recipe)):
         yield
@@ -394,8 +390,7 @@ def _grad_and_value(fn, argnums, fn_name, args, kwargs):
 
 
 def grad(fn, argnums=0):
-    """`torch.func.grad` for a `fn(params, ws, ...) -> (loss, new_ws)`: returns `(grads, new_ws)`,
-    new_ws holding the grad-role amaxes recorded in backward."""
+    """`torch.func.grad` of `fn(params, ws, ...) -> (loss, new_ws)`: `(grads, new_ws)`, backward's amaxes in."""
     def wrapped(*args, **kwargs):
         grads, _, new_ws = _grad_and_value(fn, argnums, "tef.grad", args, kwargs)
         return grads, new_ws
@@ -465,8 +460,7 @@ def upgrade_workspaces(old: dict, model: nn.Module, recipe) -> dict:
                                   f"{_format1_repr(recipe)}", recipe=recipe)
     spec = workspace_spec(model, recipe)
     device = _device_of(model)
-    # Entries kept as they were: casts, states; dropped: the recipe and made_by= markers, and
-    # the second (shared) copy of a tensor-wise scale_inv.
+    # Casts and states kept; the markers and a tensor-wise scale_inv's second copy dropped.
     new = {k: v.clone() for k, v in old.items() if k in spec and k != RECIPE_KEY}
     new[RECIPE_KEY] = fingerprint_entry(recipe, device)
     validate_workspaces(model, new, recipe)

@@ -50,8 +50,7 @@ def _check_finite(path: str, name: str, weight: torch.Tensor):
 
 
 def _own(t: torch.Tensor, device) -> torch.Tensor:
-    # A tensor of the frozen model's own (not a view of a workspace entry: a load_state_dict
-    # into the frozen model must not write into the trained model's workspaces).
+    # A tensor of its own: loading into the frozen model must not write the trained model's workspaces.
     return t.to(device if device is not None else t.device, copy=True)
 
 

@@ -38,8 +38,7 @@ def _use_scaled_mm(a: Quantized, b: Quantized) -> bool:
 @torch.library.custom_op("te_func::scaled_mm", mutates_args=())
 def _batched_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                        out_dtype: torch.dtype, fast_accum: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a (M, K) x b (N, K) (+ bias) -> (M, N) in one torch._scaled_mm, with a batching rule (below)
-    that torch._scaled_mm lacks."""
+    """a (M, K) x b (N, K) (+ bias) -> (M, N) in one torch._scaled_mm, with a batching rule (below)."""
     a, b, scale_a, scale_b = (_aligned(t.contiguous()) for t in (a, b, scale_a, scale_b))
     return _scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, None if bias is None else bias.contiguous())
 
@@ -85,8 +84,7 @@ def _(info, in_dims, a, b, scale_a, scale_b, out_dtype, fast_accum, bias=None):
 
 
 def _use_blockwise_scaled_mm(a: Quantized, b: Quantized) -> bool:
-    """Float8BlockScaling's pairs, which cuBLAS (CUDA 12.9+, Hopper) runs natively:
-    1x128 x 128x128 (forward, input gradient) and 1x128 x 1x128 (weight gradient)."""
+    """Float8BlockScaling's pairs cuBLAS (12.9+, Hopper) runs: 1x128 x 128x128, 1x128 x 1x128."""
     if a.data.device.type != "cuda" or kernels.device_capability(a.data.device) != (9, 0):   # Hopper
         return False
     if a.block != (1, 128) or b.block not in ((1, 128), (128, 128)):
@@ -165,8 +163,7 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool
         scale_b = b.scale_inv.t() if b.block == (128, 128) else b.scale_inv.t().contiguous()
         return _scaled_mm(a.data, b.data, scale_a, scale_b, out_dtype, None, bias)
     if out_dtype == torch.bfloat16 and _pow2_blocks_on_gpu(a, b):
-        # Only for a bf16 result (it rounds its output to bf16); addmm's 1-D bias goes into cuBLAS's
-        # epilogue: added in fp32, rounded once.
+        # Only for a bf16 result; addmm's 1-D bias is added in cuBLAS's fp32 epilogue.
         a_bf16, b_bf16 = dequantize(a, torch.bfloat16), dequantize(b, torch.bfloat16).t()
         return a_bf16 @ b_bf16 if bias is None else torch.addmm(bias, a_bf16, b_bf16)
     return _rounded(dequantize(a) @ dequantize(b).t(), bias, out_dtype)
@@ -198,8 +195,7 @@ def _weight_only_reference(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Te
 @torch.library.custom_op("te_func::weight_only_mm", mutates_args=())
 def _weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) @ w (N, K).T * scale_inv () + bias (N,) in x's dtype, w tensor-wise FP8: an op, so
-    that compiled graphs call the Triton kernel rather than make a bf16 copy of the weight."""
+    """x @ w.T * scale_inv + bias in x's dtype: an op, so compiled graphs call the Triton kernel."""
     out = kernels.weight_only_mm(x, w, scale_inv, bias)
     return _weight_only_reference(x, w, scale_inv, bias) if out is None else out
 

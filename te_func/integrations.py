@@ -52,8 +52,7 @@ def register_opacus() -> None:
 
 
 def _per_sample_grads(layer, activations: list, backprops: torch.Tensor) -> dict:
-    """opacus's grad sampler: {parameter: (batch, *its shape)} from the layer's input and output
-    gradient, (batch, ..., features) each, by vmap over te_func's own gradient of one sample."""
+    """opacus's grad sampler: {parameter: (batch, *shape)}, by vmap over te_func's per-sample gradient."""
     recipe = last_recipe(layer)
     if not lower(recipe).token_local:
         raise TransformError(
@@ -81,8 +80,7 @@ def _per_sample_grads(layer, activations: list, backprops: torch.Tensor) -> dict
 
 
 class _WithoutHooks(nn.Module):
-    """`layer` called without its module hooks: opacus's own, which capture activations, must not
-    see the per-sample calls its grad sampler makes."""
+    """`layer` called without its module hooks (opacus's must not see the grad sampler's calls)."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
@@ -121,8 +119,7 @@ class TrainerMixin:
             self.label_names, self.can_return_loss = find_labels(model_class), can_return_loss(model_class)
 
     def training_step(self, model, inputs, *args, **kwargs):
-        # A step's first microbatch casts the weights, the others reuse them: otherwise every
-        # microbatch would recast, and under DelayedScaling start a step.
+        # A step's first microbatch casts the weights, the others reuse them (as TE).
         shell = self._stateful(model)
         if shell is not None and shell.weight_cache and "is_first_microbatch" not in inputs:
             inputs = {**inputs, "is_first_microbatch": getattr(self, "_next_is_first", True)}

@@ -69,8 +69,7 @@ def fingerprint(recipe) -> int:
 # --- the parts -----------------------------------------------------------------------------------
 
 class Format(enum.Enum):
-    """Which low-precision type each pass uses. HYBRID: E4M3 forward, E5M2 for gradients;
-    E2M1: NVFP4's 4-bit values."""
+    """Each pass's low-precision type. HYBRID: E4M3 forward, E5M2 gradients; E2M1: NVFP4's."""
     E2M1 = "E2M1"
     E4M3 = "E4M3"
     E5M2 = "E5M2"
@@ -112,9 +111,8 @@ class QParams:
 
 @dataclass(frozen=True)
 class MMParams:
-    """GEMM options (TE's `MMParams`). use_split_accumulator=False is FP8 "fast accumulation"
-    (cuBLAS's CUBLASLT_MATMUL_DESC_FAST_ACCUM) where the device runs FP8 GEMMs; te_func's
-    exact emulation accumulates in fp32 either way."""
+    """GEMM options (TE's `MMParams`): use_split_accumulator=False is cuBLAS's FP8 fast accumulation
+    (the exact emulation accumulates in fp32 either way)."""
     use_split_accumulator: bool = True
 
 
@@ -210,8 +208,7 @@ class Float8CurrentScaling:
 
 @dataclass(frozen=True)
 class MXFP8BlockScaling:
-    """Blocks of 32 along the reduction dimension, each with a power-of-2 E8M0 scale
-    (enable_2d_quantization: 32x32 blocks for weights)."""
+    """Blocks of 32 along the reduction dim with E8M0 scales (enable_2d_quantization: 32x32 weights)."""
     margin: int = 0       # accepted as TE does; TE's MXFP8 quantizers do not read it either
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
@@ -277,10 +274,8 @@ _NVFP4_SCOPES = ("none", "weights", "activations", "all")
 
 @dataclass(frozen=True)
 class NVFP4BlockScaling:
-    """NVFP4: E2M1 values in blocks of 16 along the reduction dim, each with an E4M3 scale,
-    under one fp32 scale per tensor; 16x16 blocks for weights, stochastic rounding for
-    gradients and a 16x16 random Hadamard transform on the weight-gradient GEMM's operands,
-    each of which its `disable_*` field turns off (NVTE_NVFP4_DISABLE_*=1)."""
+    """NVFP4: E2M1 values in 1x16 blocks with E4M3 scales under one fp32 scale per tensor; 16x16
+    weight blocks, stochastic rounding of gradients, a Hadamard transform for the weight gradient."""
     disable_rht: bool = _env_flag("NVTE_NVFP4_DISABLE_RHT")
     disable_stochastic_rounding: bool = _env_flag("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING")
     disable_2d_quantization: bool = _env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION")
@@ -315,11 +310,9 @@ class NVFP4BlockScaling:
         _remember_fingerprint(self)
 
     def qparams(self, role: str) -> QParams:
-        """TE's derived per-role options: RHT for the input's and the gradient's columnwise
-        (weight-gradient) copies, 2-D blocks for weights, stochastic rounding for gradients."""
+        """TE's derived per-role options (RHT, 2-D weight blocks, stochastic rounding of gradients)."""
         rht = not self.disable_rht
-        # (random_hadamard_transform, stochastic_rounding, fp4_2d_quantization); every field of
-        # QParams given, as te_func.quant.Quantized.tensorwise says why.
+        # (random_hadamard_transform, stochastic_rounding, fp4_2d_quantization), every field given.
         options = {"input": (rht, False, False), "weight": (False, False, not self.disable_2d_quantization),
                    "grad": (rht, not self.disable_stochastic_rounding, False)}[role]
         return QParams(False, 0.0, *options)

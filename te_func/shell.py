@@ -45,8 +45,7 @@ _WEIGHTS_ONLY = ("the checkpoint has no workspace entries (workspaces.*): it hol
 
 
 def _after_load(shell: Stateful, incompatible_keys):
-    # A load_state_dict post-hook: once the model has its weights, a weights-only checkpoint gets
-    # fresh workspaces made from them (and a strict load fails on the entries reported missing).
+    # A load_state_dict post-hook: a weights-only checkpoint gets workspaces from the loaded weights.
     pending, shell._pending_load = shell._pending_load, None
     if pending is None:
         return
@@ -292,8 +291,7 @@ class Stateful(nn.Module):
         self._pending_load = (ws, prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Parameters and workspaces. Weights only (or the model's own state_dict) load with
-        strict=False, which makes fresh workspaces from the loaded weights."""
+        """Parameters and workspaces; weights alone load with strict=False (fresh workspaces)."""
         own = self.model.state_dict().keys()
         if state_dict and not any(k.startswith(("model.", _WS)) for k in state_dict):
             if not set(state_dict) & set(own):
@@ -429,8 +427,7 @@ class Stateful(nn.Module):
 
 
 def _outside_inference_mode(ws: dict) -> dict:
-    """`ws` with inference tensors as normal ones, which can be used outside inference_mode: an
-    evaluation there leaves the state as one under no_grad does."""
+    """`ws` with inference tensors as normal ones, usable outside inference_mode."""
     if torch.compiler.is_compiling() or not any(isinstance(v, torch.Tensor) and v.is_inference()
                                                 for v in ws.values()):
         return ws

@@ -188,8 +188,7 @@ def _batch_amaxes(step, fn, params, ws, args, dims, keepdim: bool) -> dict:
 
 
 def _check_shared(shared: dict):
-    # Casts and scales come from shared state alone: one that differs between samples is an error
-    # (eager mode only).
+    # Casts and scales come from shared state alone: one that differs is an error (eager only).
     if torch.compiler.is_compiling():
         return
     level = _compat.current_level()
@@ -255,8 +254,7 @@ def fold_workspaces(model: torch.nn.Module, ws: dict, recipe) -> dict:
 
 
 def stack_workspaces(workspaces: Sequence[dict]) -> dict:
-    """One workspace dict per ensemble member -> one dict, each entry stacked along a new dim 0.
-    Every member's workspaces must have the same entries and be made for the same recipe."""
+    """One workspace dict per ensemble member (the same entries and recipe) -> one, stacked on dim 0."""
     workspaces = list(workspaces)
     if not workspaces:
         raise ValueError("stack_workspaces: got no workspaces")

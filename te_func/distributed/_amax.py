@@ -49,8 +49,7 @@ def _all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def reduce_amax_slots(histories: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
-    """`histories` (name -> (L,) fp32) with slot 0 of each all-reduced by max over `group`,
-    in one all-reduce; the other slots as they are. Every rank must pass the same names."""
+    """`histories` with slot 0 of each all-reduced by max over `group`, in one all-reduce (collective)."""
     if group is None or not histories:
         return histories
     names = sorted(histories)

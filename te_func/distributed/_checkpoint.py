@@ -35,8 +35,7 @@ def _world_mesh(device: torch.device):
 
 
 def state_dict(shell, optimizer=None) -> dict:
-    """{"model", "optim" (with an optimizer), "workspaces"} of `shell` (a te_func.Stateful),
-    for torch.distributed.checkpoint.save / load. Collective: call it on every rank."""
+    """{"model", "optim", "workspaces"} of `shell` for torch.distributed.checkpoint (collective)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
     sd: dict
     if optimizer is None:
@@ -44,8 +43,7 @@ def state_dict(shell, optimizer=None) -> dict:
     else:
         model_sd, optim_sd = get_state_dict(shell.model, optimizer)
         sd = {"model": model_sd, "optim": optim_sd}
-    # Backward amaxes a compiled call left waiting (under amax reduction, for the next call: a
-    # read merges none) join the histories here, all-reduced: this function is collective.
+    # Backward amaxes a compiled call left waiting join the histories here, all-reduced.
     shell._merge_pending()
     ws = dict(shell.workspaces)
     per_rank = _per_rank_keys(shell)
@@ -59,8 +57,7 @@ def state_dict(shell, optimizer=None) -> dict:
 
 
 def load_state_dict(shell, optimizer, state_dict: dict) -> None:
-    """Restore what `state_dict` holds (after torch.distributed.checkpoint.load into it) into
-    `shell` and `optimizer` (None if it has none)."""
+    """Restore what `state_dict` holds (loaded by torch.distributed.checkpoint) into `shell` and `optimizer`."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
     if optimizer is None:
         set_model_state_dict(shell.model, state_dict["model"])

@@ -44,8 +44,7 @@ def _wrapper(cls, like: torch.Tensor, dtype: torch.dtype, requires_grad: bool = 
 
 
 class Float8AllGatherWeight(torch.Tensor):
-    """A GEMM weight (high precision) that FSDP all-gathers in FP8 under `recipe`. Every op but FSDP's
-    sharding ones sees the plain tensor it wraps (the optimizer updates it, checkpoints store it)."""
+    """A GEMM weight FSDP all-gathers in FP8; every op but FSDP's sees the plain tensor it wraps."""
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, recipe):
@@ -113,8 +112,7 @@ def _param_name(module, shard) -> str:
 
 
 def _delayed_scale(recipe, module, shard):
-    """The scale this step's cast of `shard` (a parameter of `module`) uses under DelayedScaling,
-    as te_func's GEMM will compute it from the workspaces of the running call; None outside a call."""
+    """The DelayedScaling scale this step's cast of `shard` uses, as the running call's GEMM will."""
     if not lower(recipe).keeps_history:
         return None
     frame = current_frame()
@@ -134,9 +132,8 @@ def _delayed_scale(recipe, module, shard):
 
 
 class Float8GatheredWeight(CarriedCast):
-    """The unsharded weight FSDP gathered in FP8: data (out, in), its scale_inv () and the
-    whole weight's amax (). A te_func GEMM takes its cast from it (`te_func_weight_cast`);
-    any other computation with it raises."""
+    """The unsharded weight FSDP gathered in FP8 (data, scale_inv, the whole weight's amax): a te_func
+    GEMM takes its cast from it; any other computation with it raises."""
 
     @staticmethod
     def __new__(cls, data, scale_inv, amax, recipe, dtype):
@@ -156,8 +153,7 @@ class Float8GatheredWeight(CarriedCast):
         return Float8GatheredWeight(inner["_data"], inner["_scale_inv"], inner["_amax"], *meta)
 
     def te_func_weight_cast(self, s, state: DelayedState | None):
-        """(WeightCast, new_state) for scheme `s`: the gathered bytes and their transpose; under
-        DelayedScaling `state` with the whole weight's amax recorded."""
+        """(WeightCast, new_state): the gathered bytes and their transpose, the whole weight's amax recorded."""
         if s != scheme_for(self._recipe, "weight"):
             raise ValueError(f"this weight was all-gathered in FP8 for {self._recipe!r} and cannot be cast as "
                              f"{s}: run the model with the recipe FP8 all-gather was enabled for")

@@ -69,8 +69,7 @@ def _full(weight: DTensor) -> torch.Tensor:
 
 
 def cast_sources(module_path: str, module, units: dict) -> dict | None:
-    """GEMM weight name -> the gathered weight to make `module`'s first casts from, for those
-    FSDP keeps sharded (None when there are none)."""
+    """GEMM weight name -> the gathered weight to cast, for those FSDP keeps sharded (or None)."""
     if not units or not is_fsdp_managed(module_path, units):
         return None
     weights = {}
@@ -121,8 +120,7 @@ def _reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _GatherShards:
-    """The whole parameter (rows, ...) from this rank's Shard(0) shard; backward: its gradient
-    reduce-scattered, averaged over the ranks (FSDP's default)."""
+    """The whole parameter from this rank's Shard(0) shard; backward reduce-scatters (averaged)."""
     group: object
     rows: int                    # the parameter's rows (dim 0)
     outputs = ("full",)
@@ -172,8 +170,8 @@ def _fsdp_forward_hooks_suspended(units):
 
 @contextlib.contextmanager
 def gathered_params(model: nn.Module, params: dict):
-    """The `params` a functional call of an FSDP model runs with: `params` itself where FSDP's hooks
-    gather; else every sharded DTensor entry gathered, with FSDP's forward hooks suspended."""
+    """The `params` an FSDP model's functional call runs with: as given where FSDP's hooks gather,
+    else with every sharded entry gathered, FSDP's forward hooks suspended."""
     if not _initialized():
         yield params
         return
@@ -232,8 +230,7 @@ def _scatter(g: torch.Tensor, spec) -> torch.Tensor:
 
 
 def scattered_grads(grads, argnums, specs: dict):
-    """The whole gradients of gathered parameters as DTensor shards laid out like the parameters
-    (FSDP's reduce-scatter: averaged over the ranks)."""
+    """The gathered parameters' gradients as DTensor shards like the parameters (averaged)."""
     if not specs:
         return grads
 

@@ -12,8 +12,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def check_input(layer: str, inp: torch.Tensor, features: int, params: dict[str, torch.Tensor | None],
                 recipe=None):
-    """Clear errors for the misuses a layer can see from its arguments' metadata. High precision also
-    takes float64; only whether `recipe` is None is read."""
+    """Clear errors for the misuses a layer can see from its arguments' metadata."""
     dtypes = FLOAT_DTYPES if recipe is not None else FLOAT_DTYPES + (torch.float64,)
     if not isinstance(inp, torch.Tensor):
         raise TypeError(f"{layer}: input must be a torch.Tensor, got {type(inp).__name__}")
@@ -42,8 +41,7 @@ _check_finite = False
 
 
 def set_check_finite(enabled: bool) -> bool:
-    """Make every te_func layer raise on a NaN or inf in its input or parameters
-    (eager calls; compiled and vmapped calls skip the check). Returns the previous setting."""
+    """Make te_func layers raise on a NaN or inf in their inputs (eager); returns the previous setting."""
     global _check_finite
     previous, _check_finite = _check_finite, bool(enabled)
     return previous
@@ -67,8 +65,7 @@ def _assert_finite(layer: str, tensors: dict):
 
 
 def autocast_input(inp: torch.Tensor) -> torch.Tensor:
-    """The input in torch.autocast's dtype where autocast is on for its device, as TE casts a
-    layer's input to the autocast dtype: the layer then computes and returns in that dtype."""
+    """The input in torch.autocast's dtype where autocast is on, as TE casts a layer's input."""
     device = inp.device.type
     if torch.is_autocast_enabled(device):
         return inp.to(torch.get_autocast_dtype(device))

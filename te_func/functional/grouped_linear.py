@@ -16,8 +16,7 @@ __all__ = ["grouped_linear", "split_sizes", "fp8_split_sizes", "grouped_gemms"]
 
 
 def grouped_gemms(num_gemms: int) -> tuple[Gemm, ...]:
-    """GEMM i keeps its cast as `weight{i}_cast.*` and its states as `gemm{i}_input`, `weight{i}`,
-    `gemm{i}_grad`: one set per GEMM, as TE keeps one FP8 meta slot per GEMM and role."""
+    """GEMM i, named `weight{i}`: one set of entries per GEMM, as TE keeps one FP8 meta slot each."""
     return tuple(Gemm(f"weight{i}") for i in range(num_gemms))
 
 
@@ -54,8 +53,7 @@ def split_sizes(m_splits, num_gemms: int, tokens: int, layer: str = "GroupedLine
 
 
 def fp8_split_sizes(m_splits, num_gemms: int, tokens: int, recipe, layer: str = "GroupedLinear") -> list:
-    """`split_sizes`, refusing what FP8 cannot trace: a tensor m_splits under torch.compile.
-    recipe: the recipe in force, its name, or None (only None-ness is read)."""
+    """`split_sizes`, refusing a tensor m_splits under torch.compile (FP8 cannot trace it)."""
     if recipe is not None and isinstance(m_splits, torch.Tensor) and torch.compiler.is_compiling():
         # Compiled, FP8 scaling needs every group's size to trace, unknown in a tensor.
         raise ValueError(f"{layer}: under torch.compile with an FP8 recipe, pass m_splits as a list of "

@@ -13,7 +13,6 @@ __all__ = ["activation", "cast_from_partials", "cast_kernels_available", "delaye
            "device_capability", "fp8_capable", "gelu_partials", "norm_backward", "norm_forward", "partial_rows",
            "set_cast_kernels", "tensorwise_cast", "weight_only_mm"]
 
-# Where the kernels can run, their ops (te_func::cast_from_partials, te_func::gelu_partials) exist from
-# `import te_func` on: a program exported with them runs in a process that has imported te_func.
+# Where the kernels can run, their ops exist from `import te_func` on (for exported programs).
 if torch.cuda.is_available():
     dispatch._kernels("cast")

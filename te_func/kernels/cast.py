@@ -115,8 +115,7 @@ def _amax_kernel(x_ptr, amax_bits_ptr, numel, iters, BLOCK: tl.constexpr):
 
 @triton.jit
 def _round_to_fp8_bits(v, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
-    """|v| <= fp8_max, not NaN -> the FP8 bits of v rounded to nearest even (uint8), subnormals
-    included, by integer arithmetic: exact on any backend."""
+    """|v| <= fp8_max, not NaN -> v's FP8 bits rounded to nearest even, by integer arithmetic."""
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
@@ -153,8 +152,7 @@ def _scale_from_amax(amax, fp8_max, amax_epsilon, POW2: tl.constexpr):
 @triton.jit
 def _fp8_bits(x, scale, fp8_max, FP8: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA: tl.constexpr,
               BIAS: tl.constexpr):
-    """te_func.quant.tensor._cast of fp32 x with `scale`, as the FP8 bits (uint8); a NaN product
-    becomes the FP8 NaN 0x7F with its sign, as torch's cast makes it."""
+    """te_func.quant.tensor._cast of fp32 x with `scale`, as FP8 bits (a NaN as torch's cast makes it)."""
     v = x * scale
     clamped = tl.minimum(tl.maximum(v, -fp8_max), fp8_max)
     if SOFT_ROUND:
@@ -227,8 +225,7 @@ def cast(x2d: torch.Tensor, dtype: torch.dtype, fp8_max: float, amax_epsilon: fl
 
 def activation(x2d: torch.Tensor, y2d: torch.Tensor | None, act: str, column_sums: bool,
                bias: torch.Tensor | None = None):
-    """The activation `act` (of ACTIVATIONS) of a contiguous (M, N) x (y2d: the GELU's input, for
-    "gelu_backward"), plus `bias`: (v, max |v| as amax bits, v's column sums fp32 or None)."""
+    """The activation `act` of a contiguous (M, N) x (plus bias): (v, max |v| bits, column sums or None)."""
     m, n = x2d.shape
     v = torch.empty_like(x2d)
     bits = torch.zeros(1, dtype=torch.int32, device=x2d.device)
@@ -257,8 +254,7 @@ LARGE_CAST_TILE_M, LARGE_CAST_TILE_N = 32, 128
 def _partials_cast_kernel(x_ptr, out_ptr, scale_inv_ptr, partials_ptr, n_partials, M, N, fp8_max, amax_epsilon,
                           FP8: tl.constexpr, POW2: tl.constexpr, SOFT_ROUND: tl.constexpr, MANTISSA: tl.constexpr,
                           BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr):
-    """x (M, N) contiguous -> out (M, N) FP8, its scale from the max of partials (n_partials,)
-    fp32 >= 0 (maxes of |x| over chunks of x, NaN skipped): the same amax as one pass over x."""
+    """x (M, N) contiguous -> out (M, N) FP8, its scale from the max of partials (n_partials,) fp32."""
     # fp32, as the eager launch passes Python floats (a compiled graph passes them as fp64).
     fp8_max, amax_epsilon = tl.cast(fp8_max, tl.float32), tl.cast(amax_epsilon, tl.float32)
     # The tile's load first: it does not wait for the partial maxes.
@@ -299,8 +295,7 @@ def cast_from_partials(x2d: torch.Tensor, partials: torch.Tensor, dtype: torch.d
 
 
 def _per_sample(op, info, in_dims, *args):
-    """A vmap rule for the ops below: the op on each sample, its outputs stacked (current scaling
-    under vmap takes one amax per sample, as the torch path does)."""
+    """A vmap rule for the ops below: the op on each sample (one amax each, as the torch path)."""
     outs = [op(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims))) for i in range(info.batch_size)]
     return tuple(torch.stack(parts) for parts in zip(*outs)), (0, 0)
 

@@ -31,8 +31,7 @@ calls = {"fused": 0}           # how many casts the kernels made (tests check th
 
 @functools.cache
 def _kernels(name: str):
-    """te_func.kernels.<name> (cast, norm, delayed, weight_only), or None where it cannot import:
-    no Triton (CPU CI), or a Triton without a usable backend."""
+    """te_func.kernels.<name>, or None where it cannot import (no Triton, or no usable backend)."""
     try:
         return importlib.import_module(f"{__package__}.{name}")
     except Exception:
@@ -40,15 +39,13 @@ def _kernels(name: str):
 
 
 def cast_kernels_available() -> bool:
-    """Whether the fused casts can run here: Triton imports and a CUDA device is visible
-    (or Triton's interpreter is on, TRITON_INTERPRET=1)."""
+    """Whether the fused casts can run here: Triton imports, and CUDA or TRITON_INTERPRET=1."""
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     return (interpret or torch.cuda.is_available()) and _kernels("cast") is not None
 
 
 def set_cast_kernels(enabled: bool) -> bool:
-    """Use the fused casts where they apply (True) or always the torch path (False); returns the
-    previous setting."""
+    """Use the fused casts where they apply (True) or never (False); returns the previous setting."""
     global _enabled
     previous, _enabled = _enabled, bool(enabled)
     return previous
@@ -71,8 +68,7 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def device_capability(device: torch.device) -> tuple[int, int]:
-    """A CUDA device's compute capability: cached eagerly; traced, a constant of the graph
-    (dynamo would trace through the cache anyway, and warn that it skips it)."""
+    """A CUDA device's compute capability: cached eagerly; traced, a constant of the graph."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.compiler.is_compiling():
         return torch.cuda.get_device_capability(index)
@@ -80,8 +76,7 @@ def device_capability(device: torch.device) -> tuple[int, int]:
 
 
 def fp8_capable(device: torch.device | str) -> bool:
-    """A CUDA device with FP8 conversions and FP8 tensor cores: Ada / Hopper (sm_89) and newer.
-    The one test of it, for the kernels and for te_func.gemm's `torch._scaled_mm`."""
+    """A CUDA device with FP8 tensor cores (sm_89 and newer): the one test, also for te_func.gemm."""
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.is_available() and device_capability(device) >= (8, 9)
 
@@ -94,8 +89,7 @@ def _applies(x: torch.Tensor) -> bool:
 
 
 def _on_kernel_device(x: torch.Tensor) -> bool:
-    """x is where the kernels run: an FP8-capable CUDA device, or under Triton's interpreter any
-    device with data (not meta: a model built there has no values to read)."""
+    """x is where the kernels run: an FP8-capable CUDA device, or under Triton's interpreter not meta."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return x.device.type != "meta"
     return fp8_capable(x.device)
@@ -167,8 +161,7 @@ def _few_rows(x: torch.Tensor) -> bool:
 
 
 def partial_rows(x: torch.Tensor) -> int | None:
-    """Under torch.compile: the length of the row chunks whose maxes `cast_from_partials` reads for
-    current scaling's cast of x, or None where it does not apply; decided by x's shape."""
+    """Under torch.compile: the row chunk length for `cast_from_partials`' maxes of x, or None."""
     # The device first: a CPU tensor never guards on its shape.
     if not _compiled_op_applies(x) or x.dim() < 1 or not isinstance(x.shape[-1], int) or x.shape[-1] == 0:
         return None     # (a dynamic width, rare, keeps inductor's chain rather than guard on it)
@@ -182,9 +175,7 @@ def partial_rows(x: torch.Tensor) -> int | None:
 
 def cast_from_partials(x2d: torch.Tensor, partials: torch.Tensor, dtype: torch.dtype, fp8_max: float,
                        amax_epsilon: float, power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Current scaling's cast of a contiguous (M, N) x whose amax is partials.max() (partial maxes
-    as `partial_rows` or `gelu_partials` make them): (data, scale_inv ()), the torch path's bits,
-    by the op te_func::cast_from_partials."""
+    """Current scaling's cast of x whose amax is partials.max(), by te_func::cast_from_partials."""
     data, scale_inv = torch.ops.te_func.cast_from_partials(x2d, partials, dtype, fp8_max, amax_epsilon,
                                                            power_2_scale, not _few_rows(x2d))
     return data, scale_inv.reshape(())
@@ -230,8 +221,7 @@ def activation(x: torch.Tensor, act: str, y: torch.Tensor | None = None, column_
 
 
 def _plain_all(*ts):
-    """The plain tensors under torch.func.grad's wrappers (None stays None), or None if any is
-    batched, fake or a subclass (`_plain`)."""
+    """`_plain` of each tensor (None stays None), or None if any is not plain."""
     plain = tuple(None if t is None else _plain(t) for t in ts)
     return None if any(p is None and t is not None for p, t in zip(plain, ts)) else plain
 
@@ -259,9 +249,8 @@ def norm_forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None
 
 def norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rsigma: torch.Tensor,
                   gamma: torch.Tensor):
-    """The norm's backward by the fused kernel, or None where it does not apply: dy, x (tokens,
-    hidden), mean (None: RMSNorm) and rsigma (tokens, 1) as `norm_forward` made them, gamma
-    (hidden,) fp32. Returns (dx in x's dtype, dgamma (hidden,) fp32, dbeta (hidden,) fp32)."""
+    """The norm's backward by the fused kernel, or None; mean (None: RMSNorm) and rsigma as
+    `norm_forward` made them. Returns (dx in x's dtype, dgamma fp32, dbeta fp32)."""
     if not _norm_applies(x) or dy.shape != x.shape or dy.dtype not in _INPUT_DTYPES:
         return None
     with _compat.functorch_disabled():
@@ -303,8 +292,7 @@ def delayed_update(history: torch.Tensor, scale: torch.Tensor, scaled_max: float
 
 
 def delayed_record(history: torch.Tensor, amax: torch.Tensor):
-    """history (L,) fp32 with max(history[0], amax) in slot 0 (NaN if either is), by one kernel,
-    or None where it does not apply (te_func.quant.tensor.record_amax)."""
+    """record_amax's history by one kernel, or None where it does not apply."""
     return _delayed(history, amax, lambda module, h, a: module.record(h, a))
 
 

@@ -121,8 +121,7 @@ def _mean_factor(n: int) -> float:
 
 
 def norm_forward(x2d: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None, eps: float, rms: bool):
-    """x (M, N) contiguous, gamma / beta (N,) fp32 -> (y (M, N) in x's dtype, mean (M,) fp32 or None,
-    rsigma (M,) fp32, max |y| as (1,) int32 fp32 bits)."""
+    """x (M, N), gamma / beta (N,) fp32 -> (y, mean (M,) or None, rsigma (M,), max |y| as fp32 bits)."""
     m, n = x2d.shape
     y = torch.empty_like(x2d)
     mean = None if rms else torch.empty(m, dtype=torch.float32, device=x2d.device)
@@ -138,8 +137,7 @@ def norm_forward(x2d: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | No
 
 def norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, mean: torch.Tensor | None, rsigma: torch.Tensor,
                   gamma: torch.Tensor, rms: bool):
-    """dy, x (M, N) contiguous, mean / rsigma (M,) fp32, gamma (N,) fp32 -> (dx in x's dtype,
-    dgamma (N,) fp32, dbeta (N,) fp32)."""
+    """dy, x (M, N), mean / rsigma (M,), gamma (N,) fp32 -> (dx in x's dtype, dgamma, dbeta fp32)."""
     m, n = x2d.shape
     dx = torch.empty_like(x2d)
     sms = torch.cuda.get_device_properties(x2d.device).multi_processor_count if x2d.is_cuda else 2

@@ -20,16 +20,14 @@ _INTERPRETED = tl.constexpr(INTERPRETED)
 MAX_TOKEN_BLOCK = 64    # tokens per program: a decode batch fits one block, more take several
 K_GRANULE = 256         # splits of K are multiples of every tensor-core config's BLOCK_K: the same sums in each
 NOMINAL_BLOCK_N = 128   # the weight rows per program the split is sized for
-# One token takes the CUDA-core kernel, in one fixed config: its row sums' order depends on
-# the tile and the warps, so a fixed config keeps a shape's bits the same in every process.
+# One token takes the CUDA-core kernel, in one fixed config: the same bits in every process.
 GEMV = {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 3}    # swept on an H200
 
 
 def _configs():
     if INTERPRETED:     # the interpreter runs every candidate: one is enough there
         return [triton.Config({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4)]
-    # The fp32 sums along K run in 16-wide MMA steps, in order, in every config: the choice
-    # changes the speed, not the bits. These won a sweep on an H200 at 16 and 64 tokens.
+    # Every config sums K in 16-wide MMA steps, in order: the choice changes the speed, not the bits.
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": 128}, num_warps=4, num_stages=s) for n in (64, 128) for s in (3, 5)]
 
 
@@ -113,8 +111,7 @@ def _cuda_sm_count(index: int) -> int:
 
 def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) bf16/fp16 contiguous, w (N, K) FP8 contiguous, scale_inv () fp32, bias (N,) of x's
-    dtype contiguous or None -> (M, N) in x's dtype."""
+    """x (M, K) bf16/fp16, w (N, K) FP8, scale_inv () fp32, bias (N,) or None -> (M, N) in x's dtype."""
     (m, k), n = x.shape, w.shape[0]
     has_bias = bias is not None
     bias = scale_inv if bias is None else bias      # any pointer: the kernels do not read it

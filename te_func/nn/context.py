@@ -39,8 +39,7 @@ def _stack(name: str) -> list:
 
 
 def transform_level() -> int | None:
-    """The torch.func transform level code runs at now (None outside any), or None
-    while torch.compile traces (dynamo tracks the transforms itself there)."""
+    """The torch.func transform level code runs at now (None outside any, and while compiling)."""
     if torch.compiler.is_compiling():
         return None
     return _compat.current_level()
@@ -69,8 +68,7 @@ class Frame:
 
 @dataclass
 class CallScope:
-    """Opened by tef.grad and te_func.vmapped around a function they transform: each
-    functional_call inside, in every open scope, adds what its model's workspaces hold."""
+    """Opened by tef.grad and te_func.vmapped: each functional_call inside adds its model's entries."""
     spec: dict = field(default_factory=dict)          # key -> Entry of every entry the calls read
     batch_spec: dict = field(default_factory=dict)    # key -> Entry of the batch-scope entries they could read
     # backward entry -> the group its amaxes are all-reduced over (te_func.distributed)
@@ -233,8 +231,7 @@ def _remember(module, frame: Frame, entries: dict, prefix: str):
 
 
 def last_recipe(module):
-    """The recipe of `module`'s last plain eager call in a frame (None: high precision, or no such
-    call): what a per-sample gradient computed for it after its backward quantizes with."""
+    """The recipe of `module`'s last plain eager call in a frame, or None (for opacus's gradients)."""
     with _last_calls_lock:
         last = _last_calls.get(module)
     return None if last is None else last.recipe
@@ -283,8 +280,7 @@ _told_outside_frames = False
 
 
 def _outside_frames(layer: str) -> Binding:
-    """A call outside every frame: high precision, as the torch layer; the first such call warns,
-    as a converted model trained without tef.Stateful would otherwise lose FP8 without a word."""
+    """A call outside every frame: high precision, as the torch layer; the first such call warns."""
     global _told_outside_frames
     if torch.compiler.is_compiling() or _told_outside_frames:
         return _NO_FRAME

@@ -48,8 +48,7 @@ def _interned(config) -> str:
 
 
 class FrozenCast(nn.Module):
-    """One GEMM weight's forward cast: buffers `data` (out, in) and `scale_inv`, and under
-    NVFP4 `global_amax` (None otherwise, so not in the state_dict)."""
+    """One GEMM weight's forward cast: buffers `data` (out, in), `scale_inv` and NVFP4's `global_amax`."""
     data: torch.Tensor
     scale_inv: torch.Tensor
     global_amax: torch.Tensor | None
@@ -132,8 +131,7 @@ class FrozenLayer(nn.Module):
             self.register_load_state_dict_post_hook(_after_load)
 
     def _make_input_scale_invs(self):
-        """Buffers `{scale}_inv` = reciprocal of each input-scale buffer (DelayedScaling), as the cast
-        computes it; not in the state_dict (made from the scales it holds)."""
+        """Non-persistent buffers `{scale}_inv`: each input scale's reciprocal, as the cast computes it."""
         for _, scale_name in self._gemm_names:
             if scale_name is not None:
                 self.register_buffer(scale_name + "_inv", torch.reciprocal(getattr(self, scale_name)),
@@ -160,8 +158,7 @@ class FrozenLayer(nn.Module):
         return autocast_input(inp)
 
     def _slots(self, tokens) -> tuple[tuple[GemmSlot, ...], dict]:
-        """(one slot per GEMM, their tensors by name) for a call of `tokens` tokens; weight-only is
-        decided by the shape (compiled: a guard, one graph per side of the threshold)."""
+        """(one slot per GEMM, their tensors by name) for `tokens` tokens, weight-only by the shape."""
         weight_only = self.weight_only_tokens > 0 and tokens <= self.weight_only_tokens
         cfg = _CONFIGS[self._config_names[int(weight_only)]]
         slots, tensors = [], {}
@@ -249,8 +246,7 @@ def _after_load(layer: FrozenLayer, incompatible_keys):
 
 
 class FrozenLinear(FrozenLayer):
-    """Frozen Linear and TransposedLinear: forward(inp (..., in_features)) -> (..., out_features),
-    or (out, bias) with return_bias, as the source layer."""
+    """Frozen Linear and TransposedLinear: returns what the source layer returns."""
 
     def forward(self, inp: torch.Tensor, *, is_first_microbatch: bool | None = None):
         inp = self._tokens(inp)
@@ -302,8 +298,7 @@ class FrozenLayerNormMLP(FrozenLayer):
 
 
 class FrozenGroupedLinear(FrozenLayer):
-    """Frozen GroupedLinear: forward(inp, m_splits) as the source layer's (weight-only by the
-    call's total token count)."""
+    """Frozen GroupedLinear: forward(inp, m_splits) as the source layer's."""
 
     def forward(self, inp: torch.Tensor, m_splits, *, is_first_microbatch: bool | None = None):
         inp = self._tokens(inp)

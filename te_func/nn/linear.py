@@ -11,8 +11,7 @@ __all__ = ["Linear", "TransposedLinear"]
 
 
 class Linear(TEModule):
-    """y = x @ weight.T + bias, in FP8 under a recipe. Parameters as TE: `weight` (out_features,
-    in_features), `bias` (out_features,). return_bias=True returns `(out, bias)` without adding it."""
+    """y = x @ weight.T + bias, in FP8 under a recipe; parameters and return_bias as TE's."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, params_dtype=None,
                  device=None, return_bias: bool = False):
@@ -38,9 +37,8 @@ class Linear(TEModule):
 
 
 class TransposedLinear(Linear):
-    """A Linear whose `weight` is stored (in_features, out_features), as transformers' Conv1D stores
-    it: y = x @ weight + bias. The state_dict keeps Conv1D's shapes; the GEMM, its cast and its
-    entries are those of weight.T."""
+    """A Linear whose `weight` is stored (in, out), as transformers' Conv1D: y = x @ weight + bias;
+    the GEMM, its cast and its entries are those of weight.T."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, params_dtype=None,
                  device=None, return_bias: bool = False):

@@ -11,16 +11,14 @@ __all__ = ["TEModule"]
 
 
 class TEModule(nn.Module):
-    """A parameter holder whose forward runs one `te_func.functional` op; its workspace follows
-    from the FP8 GEMMs its subclass lists in `gemms()`."""
+    """A parameter holder whose forward runs one `te_func.functional` op over the GEMMs of `gemms()`."""
 
     def gemms(self) -> tuple[Gemm, ...]:
         """The layer's FP8 GEMMs, as its functional op declares them."""
         return ()
 
     def gemm_weight(self, name: str, value: torch.Tensor | None = None) -> torch.Tensor:
-        """The GEMM weight `name` as the GEMM reads it, (out_features, in_features); of `value`
-        (a value of that parameter, e.g. FSDP's gathered one) rather than the parameter if given."""
+        """The GEMM weight `name` (or `value`, e.g. FSDP's gathered one) as the GEMM reads it, (out, in)."""
         return getattr(self, name) if value is None else value
 
     def workspace_spec(self, recipe) -> dict[str, Entry]:
@@ -45,8 +43,7 @@ class TEModule(nn.Module):
         return entries
 
     def _run(self, op, *args, is_first_microbatch=None, **kwargs):
-        """Run the functional `op` on `args` with what this module's frame gives it (recipe,
-        workspace entries, is_first_microbatch), and hand its new entries back."""
+        """Run the functional `op` on `args` with what this module's frame gives it; commit its entries."""
         b = context.bind(self, type(self).__name__, is_first_microbatch)
         if b.batch_scales and self.gemms():
             kwargs["batch_scales"] = True

@@ -132,8 +132,7 @@ def check_activation(activation: str, layer: str = "LayerNormMLP") -> str:
 
 def activation_spec(activation: str, activation_params: dict | None = None,
                     layer: str = "LayerNormMLP") -> Activation:
-    """`activation` with `activation_params` checked against what it takes (TE's defaults for
-    the rest); an activation that takes none refuses any, as TE's kernels do."""
+    """`activation` with `activation_params` checked against what it takes (TE's defaults for the rest)."""
     kind = _TABLE[check_activation(activation, layer)]
     given = dict(activation_params or {})
     accepted = kind.params or {}
@@ -219,8 +218,7 @@ _TORCH = {"gelu": _torch_gelu, "geglu": _torch_gelu, "relu": F.relu, "reglu": F.
 
 
 def activation_reference(act: Activation, x: torch.Tensor) -> torch.Tensor:
-    """The activation as plain torch computes it, for the high-precision path that
-    autograd differentiates: torch's function where it has one, else the formula."""
+    """The activation in plain torch, for the high-precision path: torch's function, else the formula."""
     torch_fn = _TORCH.get(act.name)
     if torch_fn is None:
         return _forward(act, x, _formulas(act))     # autograd differentiates the formula

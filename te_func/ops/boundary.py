@@ -73,8 +73,7 @@ class _Boundary(torch.autograd.Function):
         ctx.save_for_backward(*(named.get(k) for k in ctx.saved_names))
         if _tangents_possible():
             ctx.save_for_forward(*(named.get(k) for k in _linearization_inputs(op)))
-            # torch takes no None tangent for an output it differentiates (2.13): those get zeros.
-            # (An integer output, carried state such as a random stream, takes no tangent at all.)
+            # torch takes no None tangent for a float output it differentiates (2.13): zeros.
             ctx.zero_tangents = {k: (t.shape, t.dtype, t.device) for k, t in outputs.items()
                                  if k in keep and t is not None and t.is_floating_point()}
         # Sizes are inputs, not static config: a new MoE group size is not a new graph.
@@ -166,14 +165,12 @@ def _setting(name: str):
 
 
 def higher_order():
-    """Forward calls inside keep what a derivative of their backward reads, for plain autograd's
-    `create_graph=True` (torch.func's transforms need no such context)."""
+    """Forward calls inside keep what plain autograd's `create_graph=True` needs."""
     return _setting("higher")
 
 
 def first_order_only():
-    """For te_func's own recomputes (tef.checkpoint) that nothing differentiates: the layers keep
-    nothing for a derivative of their backward."""
+    """For te_func's own recomputes, which nothing differentiates: the layers keep nothing for it."""
     return _setting("first_order")
 
 
@@ -255,8 +252,7 @@ def call(op, **tensors) -> dict:
 
 
 def call_forward(op, **tensors) -> dict:
-    """`op`'s forward alone, for inference (te_func.freeze): no autograd node, so nothing is kept
-    and torch.export sees plain aten ops. Returns its outputs by name."""
+    """`op`'s forward alone, for inference: no autograd node (torch.export sees plain aten ops)."""
     with _no_autocast(tensors.values()):
         out = op.forward(tensors)
     return {k: out.get(k) for k in op.outputs}

@@ -37,8 +37,7 @@ _DEFAULT_FAST_ACCUM = (True, False, False)
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Static (hashable) description of one FP8 GEMM: how each role is scaled, how each
-    of its three GEMMs accumulates, and what backward reads."""
+    """Static (hashable) description of one FP8 GEMM: scaling, accumulation and what backward reads."""
     input: Scheme
     weight: Scheme
     grad: Scheme
@@ -86,8 +85,7 @@ def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: 
 
 def quantize_grad(grad_out: torch.Tensor, cfg: GemmConfig, with_transpose: bool, g_state=None,
                   amax: torch.Tensor | None = None):
-    """The output gradient's casts for the backward GEMMs: (gq, gq_t (the cast of grad_out.T, for
-    the weight gradient) or None, new grad state). amax: as `forward_gemm`'s x_amax."""
+    """The output gradient's casts: (gq, gq_t (of grad_out.T) or None, new grad state)."""
     if not with_transpose:          # input gradient only: one cast, along out_features
         gq, new_state = quantize_scheme(grad_out, cfg.grad, g_state, amax)
         return gq, None, new_state
@@ -96,8 +94,7 @@ def quantize_grad(grad_out: torch.Tensor, cfg: GemmConfig, with_transpose: bool,
 
 def backward_gemms(gq: Quantized, gq_t: Quantized | None, w_t: Quantized | None, xq_t: Quantized | None,
                    cfg: GemmConfig, x_dtype: torch.dtype | None, w_dtype: torch.dtype):
-    """The input- and weight-gradient GEMMs from the output gradient's casts: (dx or None, dw or
-    None); dx where w_t and x_dtype are given, dw where xq_t and gq_t are."""
+    """The backward GEMMs from the gradient's casts: (dx where w_t is given, dw where xq_t, gq_t are)."""
     dx = None if w_t is None or x_dtype is None else gemm(gq, w_t, x_dtype, fast_accum=cfg.fast_accum[1])
     dw = None if xq_t is None or gq_t is None else gemm(gq_t, xq_t, w_dtype, fast_accum=cfg.fast_accum[2])
     return dx, dw
@@ -147,8 +144,7 @@ def _straight_through(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class GemmSlot:
-    """One FP8 GEMM inside an op: its config, and the GEMM, whose weight is the op input of that
-    name and whose tensors' names carry its prefix (te_func.quant.Gemm.slot)."""
+    """One FP8 GEMM inside an op: its config, and the GEMM, whose tensors carry its prefix."""
     cfg: GemmConfig
     gemm: Gemm
 
@@ -206,16 +202,14 @@ class GemmSlot:
             ("x_scale", x_scale), ("x_scale_inv", x_scale_inv), ("g_record", None))}
 
     def new_states(self, outputs: dict, x_state, g_state):
-        """The input and grad roles' states after the call: `x_state` with this call's amax
-        recorded, `g_state` as the op returned it (carried state, see above)."""
+        """The input and grad roles' states after the call, as the op returned them."""
         def after(state, name):
             return None if state is None else state.with_record(outputs[self._n(name)])
         return after(x_state, "new_x_record"), after(g_state, "new_g_record")
 
     @property
     def linearization_reads(self) -> tuple[str, ...]:
-        """What `linearized` reads besides the GEMM's input and bias: the weight, its forward
-        cast, and the input's state."""
+        """What `linearized` reads besides the input and bias: the weight, its cast, the input state."""
         return (self.weight, *map(self._n, ("w", "w_scale_inv", "w_amax", "x_record", "x_scale")))
 
     def linearized(self, t: dict, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -228,8 +222,7 @@ class GemmSlot:
         return (out if bias is None else out + bias.float()).to(x.dtype)
 
     def forward(self, t: dict, x: torch.Tensor, bias: torch.Tensor | None, x_amax: torch.Tensor | None = None):
-        """x (tokens, in) -> (out (tokens, out) in x's dtype, this slot's outputs by name).
-        x_amax: max |x| where x's producer took it (`forward_gemm`)."""
+        """x (tokens, in) -> (out in x's dtype, this slot's outputs by name)."""
         n, cfg = self._n, self.cfg
         w = Quantized(t[n("w")], t[n("w_scale_inv")], cfg.weight.block, t[n("w_amax")], None)
         out, xq, xq_t, new_x = forward_gemm(x, w, bias, cfg, _state(cfg.input, t[n("x_record")], t[n("x_scale")]),

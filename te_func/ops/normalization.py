@@ -65,8 +65,7 @@ def norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def norm_output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: NormConfig):
-    """x (tokens, hidden) -> (y in x's dtype, mean, rsigma as `norm_forward`, max |y| () fp32 where
-    the fused kernel took it on the way, else None)."""
+    """x (tokens, hidden) -> (y, mean, rsigma, max |y| where the fused kernel took it, else None)."""
     ct = _compute_dtype(x)
     if ct == torch.float32:
         fused = kernels.norm_forward(x, _gamma(weight, cfg, ct), None if bias is None else bias.to(ct), cfg.eps,

@@ -42,15 +42,13 @@ class Lowering:
 
     @property
     def keeps_rng(self) -> bool:
-        """Whether each GEMM keeps a random stream for stochastic rounding (NVFP4, unless turned off
-        or the gradient is not quantized)."""
+        """Whether each GEMM keeps a random stream for NVFP4's stochastic rounding."""
         r = self.recipe
         return r is not None and scheme_for(r, "grad").stochastic_rounding and r.backward_override is None
 
     @property
     def tensorwise(self) -> bool:
-        """Whether every scale is one number per tensor: what FP8 all-gather and sharded
-        tensor-parallel weights need."""
+        """Whether every scale is one number per tensor (FP8 all-gather, sharded weights need it)."""
         return self.recipe is None or all(scheme_for(self.recipe, role).block is None for role in ROLES_OF_GEMM)
 
     @property
@@ -83,8 +81,7 @@ class Lowering:
         return {}
 
     def init(self, gemm: Gemm, weight: torch.Tensor, path: str = "", cast: bool = True) -> GemmWorkspace:
-        """Fresh state: the cast of the current weight (None without `cast`) and the recipe's
-        initial states. `path`: the layer's module path (it names NVFP4's random streams)."""
+        """Fresh state: the current weight's cast (None without `cast`) and the recipe's initial states."""
         return GemmWorkspace(None)
 
     def begin(self, gw: GemmWorkspace, starts_step: bool) -> GemmWorkspace:
@@ -130,8 +127,7 @@ class _Quantized(Lowering):
 
 
 class Stateless(_Quantized):
-    """Scales from the tensor at hand: nothing carries from one step to the next but the cast
-    (and NVFP4's random stream, which moves on each training call)."""
+    """Scales from the tensor at hand: only the cast (and NVFP4's random stream) carries over."""
 
     def entries(self, gemm, weight_shape):
         out = super().entries(gemm, weight_shape)
@@ -176,8 +172,7 @@ class Stateless(_Quantized):
 
 
 class Delayed(_Quantized):
-    """DelayedScaling: each role quantizes with a scale made from its amax history at the step's
-    start (te_func.quant.delayed); the output gradient's history is recorded in backward."""
+    """DelayedScaling: each role's scale comes from its amax history at the step's start."""
     keeps_history = True
 
     def entries(self, gemm, weight_shape):

@@ -49,8 +49,7 @@ def block_decode_scale(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.T
 
 
 def block_encode_scale(block_scale: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
-    """What each element is multiplied by before rounding: 1 / (fp32(block_scale) * S_dec),
-    the largest finite fp32 where the block scale is 0 (TE's block_scale_inverse)."""
+    """Each element's factor before rounding: 1 / (fp32(block_scale) * S_dec) (TE's block_scale_inverse)."""
     return torch.clamp(torch.reciprocal(block_scale.float() * s_dec), max=_FLT_MAX)
 
 
@@ -142,16 +141,14 @@ _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 
 
 def _mulhilo(m: int, x: torch.Tensor):
-    """(high, low) 32-bit words of m * x for x in [0, 2**32): m is split in 16-bit halves so
-    that no int64 product overflows (torch has no unsigned 64-bit multiply-high)."""
+    """(high, low) 32-bit words of m * x, m split in 16-bit halves so no int64 product overflows."""
     p_lo, p_hi = x * (m & 0xFFFF), x * (m >> 16)                 # each < 2**48
     t = p_hi + (p_lo >> 16)
     return t >> 16, ((t & 0xFFFF) << 16) | (p_lo & 0xFFFF)
 
 
 def philox4x32(counter, key, rounds: int = 10):
-    """Random123's Philox4x32-10 (as cuRAND and TE's kernels use), elementwise over int64 tensors
-    holding 32-bit words: counter (c0, c1, c2, c3), key (k0, k1) -> 4 random words."""
+    """Philox4x32-10 (cuRAND's, TE's) over int64 tensors of 32-bit words: counter, key -> 4 words."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
     for r in range(rounds):

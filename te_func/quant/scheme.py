@@ -132,8 +132,7 @@ def e8m0_scale_inv(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
 
 
 def e8m0_to_float(bits: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes (uint8) -> fp32 2**(bits - 127), exactly (2**-127 is an fp32 denormal), NaN for
-    0xFF: what torch's float8_e8m0fnu -> float32 gives, in ops every backend compiles."""
+    """E8M0 bytes (uint8) -> fp32 2**(bits - 127), exactly, NaN for 0xFF (torch's float8_e8m0fnu's)."""
     e = bits.to(torch.int32)
     value = torch.where(e == 0, 0x00400000, e << 23).view(torch.float32)
     return torch.where(e == 255, float("nan"), value)

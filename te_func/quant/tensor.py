@@ -107,8 +107,7 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> torch.Tensor:
 
 
 def batched_by_vmap(t: torch.Tensor) -> bool:
-    """Whether `t` is batched by a torch.func.vmap. Under vmap(grad(f)) a backward sees the
-    batched tensor wrapped in grad's wrapper, which `is_batchedtensor` does not look through."""
+    """Whether `t` is batched by a torch.func.vmap, also under grad's wrapper (vmap(grad(f)))."""
     if torch.compiler.is_dynamo_compiling():
         # Dynamo cannot trace the unwrapping; what it traces directly has no grad wrapper.
         return _compat.is_batched(t)
@@ -179,8 +178,7 @@ def record_amax(state: DelayedState, amax: torch.Tensor) -> DelayedState:
 
 def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | None, with_transpose: bool,
                 amax: torch.Tensor | None = None):
-    """A tensor-wise cast by te_func.kernels (eager CUDA; bit-identical to the torch code
-    below): (q, q of x.T or None, new_state), or None where the kernels do not apply."""
+    """A tensor-wise cast by te_func.kernels, bit-identical: (q, q of x.T or None, new_state), or None."""
     if (s.rule == "delayed") != (state is not None):
         return None     # delayed without its state (an error below), or current with a batch amax
     delayed = state if isinstance(state, DelayedState) else None
@@ -211,8 +209,7 @@ def _compiled_cast(x: torch.Tensor, s: Scheme, amax: torch.Tensor | None) -> Qua
 
 
 def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> Quantized:
-    """The tensor-wise cast of `x` with a given scale () fp32: what `quantize_scheme` does once it
-    has the scale (an FP8 all-gather casts a shard with the scale of the whole tensor)."""
+    """The tensor-wise cast of `x` with a given scale () fp32 (as quantize_scheme, given the scale)."""
     return Quantized.tensorwise(_cast(x, scale, s), torch.reciprocal(scale))
 
 
@@ -317,8 +314,7 @@ def transpose(q: Quantized) -> Quantized:
 
 
 def quantize_with_transpose(x: torch.Tensor, s: Scheme, state=None, amax: torch.Tensor | None = None):
-    """Both copies a GEMM layer needs of a 2-D `x`: (q, q_t, new_state), q_t the cast of x.T
-    (NVFP4 with the Hadamard transform: of its transform along x's rows)."""
+    """Both copies a GEMM layer needs of a 2-D `x`: (q, q_t, new_state), q_t the cast of x.T."""
     if s.nvfp4:
         q = _quantize_nvfp4(x, s, state, 0)
         q_t = transpose(q) if s.transposable else _quantize_nvfp4(x.t(), s, state, 1, hadamard=s.hadamard)

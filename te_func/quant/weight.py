@@ -25,9 +25,7 @@ class Quantizer:
 
 
 def _fits(weight: torch.Tensor, s: Scheme, flat: dict) -> bool:
-    # Metadata only (no data is read): shape, dtype and device of every entry. Which
-    # recipe made the cast is checked once per call by the frame (the workspace's
-    # te_func_recipe entry); TE checks only that the cast has the usage it needs.
+    # Metadata only: shape, dtype and device of every entry (the frame checks the recipe).
     out_f, in_f = weight.shape
     for name, e in cast_entries((out_f, in_f), s).items():
         t = flat.get(name)
@@ -42,8 +40,7 @@ def cast_weight(weight: torch.Tensor, s: Scheme, cached: WeightCast | None, cach
     weight's amax into `state`; a cache hit records nothing, as in TE."""
     if cache is False and cached is not None and _fits(weight, s, cast_to_flat(cached, s)):
         return cached, state, False
-    # The cast is a constant of the step: no gradient flows through it (the GEMM
-    # layer returns the weight gradient to the weight itself).
+    # A constant of the step: the GEMM layer returns the weight gradient to the weight itself.
     cast, new_state = make_cast(weight.detach(), s, state)
     return cast, new_state, True
 
@@ -60,7 +57,6 @@ def quantize_weight(weight: torch.Tensor, quantizer: Quantizer, workspace: dict 
     cast, _, fresh = cast_weight(weight, s, cached, cache, state)
     if not fresh:
         return cast, workspace
-    # cache=None stores the fresh cast as well (TE would leave the old one in
-    # place): then no later cache=False call can pick up the cast of older weights.
+    # cache=None stores the fresh cast too: no later cache=False call reads an older weight's cast.
     kept = {k: v for k, v in workspace.items() if k not in CAST_FIELDS}   # no field of an older layout survives
     return cast, {**kept, **cast_to_flat(cast, s)}

@@ -19,8 +19,7 @@ __all__ = ["FORMAT_VERSION", "RECIPE_KEY", "RECIPE_ENTRY", "CAST_FIELDS", "Carri
            "GemmWorkspace", "WeightCast", "cast_entries", "is_cast_key", "cast_from_flat", "cast_to_flat", "make_cast",
            "fingerprint_entry", "ROLES_OF_GEMM"]
 
-# 1: te_func 0.1 (recipe repr and made_by= in key names); 2: this module.
-# 3: MXFP8's E8M0 scales as uint8 (2: float8_e8m0fnu; tef.upgrade_workspaces converts).
+# 1: te_func 0.1; 2: this module; 3: MXFP8's E8M0 scales as uint8 (tef.upgrade_workspaces converts).
 FORMAT_VERSION = 3
 RECIPE_KEY = "te_func_recipe"
 
@@ -33,8 +32,7 @@ KINDS = ("cast", "amax_history", "scale", "batch_amax", "rng", "recipe")
 
 
 class Entry(NamedTuple):
-    """What one workspace entry must be. `kind`: one of KINDS. `backward`: its new value is
-    computed in backward and comes back as the "gradient" of the entry (see te_func.frame.grad)."""
+    """What one workspace entry must be. `backward`: its new value comes back as its "gradient"."""
     shape: tuple[int, ...]
     dtype: torch.dtype
     kind: str
@@ -58,8 +56,7 @@ class WeightCast(NamedTuple):
 
 
 class GemmWorkspace(NamedTuple):
-    """One GEMM's workspace as typed values; see the module docstring. A role's state is a
-    DelayedState under DelayedScaling, a BatchAmax in batch scope, else None."""
+    """One GEMM's workspace as typed values; a role's state is a DelayedState, a BatchAmax or None."""
     cast: WeightCast | None
     input: DelayedState | BatchAmax | None = None
     weight: DelayedState | None = None
@@ -123,8 +120,7 @@ class CarriedCast(torch.Tensor):
 
 
 def make_cast(weight: torch.Tensor, s: Scheme, state: DelayedState | None = None):
-    """The cast of a 2-D weight, both layouts (or the one it carries, see CarriedCast).
-    Returns (WeightCast, new_state)."""
+    """(WeightCast, new_state): the cast of a 2-D weight, both layouts (or the one it carries)."""
     if isinstance(weight, CarriedCast):
         return weight.te_func_weight_cast(s, state)
     q, q_t, new_state = quantize_with_transpose(weight, s, state)
