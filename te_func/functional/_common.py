@@ -41,7 +41,7 @@ _check_finite = False
 
 
 def set_check_finite(enabled: bool) -> bool:
-    """Make te_func layers raise on a NaN or inf in their inputs (eager); returns the previous setting."""
+    """Make te_func layers raise on a NaN or inf in inputs or parameters (eager); returns the old setting."""
     global _check_finite
     previous, _check_finite = _check_finite, bool(enabled)
     return previous

@@ -26,7 +26,7 @@ ACTIVATIONS = {"gelu": ACT_GELU.value, "gelu_backward": ACT_DGELU.value}
 K_SQRT_2_PI = tl.constexpr(0.7978845834732056)
 K_CUBE = tl.constexpr(0.044714998453855515)
 K_3CUBE = tl.constexpr(0.13414500653743744)
-# Round by integer arithmetic in Triton's interpreter, whose FP8 casts do not round to nearest even.
+# Round by integer arithmetic (always in Triton's interpreter, whose FP8 casts do not round to even).
 SOFT_ROUND = os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TE_FUNC_CAST_SOFT_ROUND") == "1"
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
