@@ -136,10 +136,8 @@ def gemm_size(tokens: int, in_features: int, out_features: int) -> float:
 
 
 def fp8_pays(tokens: int, min_gemm_size: float = 2048.0) -> Callable[[nn.Module, str], bool]:
-    """A module_filter_fn converting the Linear layers whose GEMMs are large enough for FP8 to pay on
-    its own at `tokens` tokens a call: gemm_size(tokens, in, out) >= min_gemm_size (2048: where a
-    LayerNormMLP's casts cost what FP8 saves on an H200, docs/benchmarks.md). A whole model can still
-    gain from smaller FP8 layers: measure it. Norms pass."""
+    """A module_filter_fn converting the Linear layers with gemm_size(tokens, in, out) >= min_gemm_size,
+    where FP8 pays on its own (docs/benchmarks.md; a whole model may gain more: measure it)."""
     conv1d = _conv1d_type()
 
     def keep(module: nn.Module, fqn: str) -> bool:

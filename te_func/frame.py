@@ -227,10 +227,9 @@ def _shape_hint(got: tuple, e) -> str:
 
 
 def validate_workspaces(model, ws, recipe):
-    """Check that `ws` holds every entry `model` needs under `recipe` (right shape, dtype, device;
-    the casts may all be missing: weight_cache=False), no other, and was made for `recipe`; raise an
-    error naming the recipe, else the first entry that does not fit. Returns {id(module): (its path,
-    its entry names, those its backward reads as given)} for the frame."""
+    """Check that `ws` holds every entry `model` needs under `recipe` and no other, made for `recipe`;
+    raise an error naming what does not fit. Returns {id(module): (path, entry names, those backward
+    reads as given)}."""
     return _validate(model, ws, recipe)[0]
 
 

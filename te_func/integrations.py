@@ -97,11 +97,9 @@ def _refuse_grouped(layer, activations: list, backprops: torch.Tensor) -> dict:
 
 
 class TrainerMixin:
-    """Mixed in before a transformers Trainer (or `tef.integrations.Trainer`) for a `tef.Stateful` of a
-    HuggingFace model: evaluation knows the model's label names, each step's first microbatch casts
-    the weights for the others, and the shell saves and loads as `save_pretrained` /
-    `load_pretrained` do, in save_model, checkpoints, resuming and load_best_model_at_end. Other
-    models save and load as the Trainer does."""
+    """Mixed in before a transformers Trainer for a `tef.Stateful` of a HuggingFace model: evaluation
+    knows its label names, microbatches reuse a step's casts, and the shell saves and loads as
+    `save_pretrained` / `load_pretrained` do. Other models save and load as the Trainer does."""
 
     # What the mixin reads of the Trainer it is mixed into.
     accelerator: Any

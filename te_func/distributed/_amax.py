@@ -19,10 +19,8 @@ def _initialized() -> bool:
 
 
 def amax_reduction_group(recipe, amax_group=None):
-    """The process group `recipe`'s amaxes are all-reduced over, or None for no reduction (only
-    DelayedScaling(reduce_amax=True) reduces). amax_group: None for the default group when
-    torch.distributed runs more than one rank (TE's `fp8_group=None`); or a ProcessGroup, or a 1-D
-    DeviceMesh (e.g. the data-parallel group of a tensor-parallel model)."""
+    """The group DelayedScaling(reduce_amax=True) all-reduces amaxes over, or None. amax_group: None
+    for the default group of more than one rank (TE's `fp8_group=None`), a ProcessGroup or a 1-D mesh."""
     if amax_group is not None and not _initialized():
         raise RuntimeError(f"amax_group={amax_group!r} was given but torch.distributed is not initialized: call "
                            f"torch.distributed.init_process_group(...) first, or pass amax_group=None in a "

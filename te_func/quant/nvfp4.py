@@ -115,10 +115,8 @@ def unpack_e2m1(data: torch.Tensor, columns: int | None = None) -> torch.Tensor:
 # --- random Hadamard transform -----------------------------------------------------------------
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
-    """(..., n) -> (..., ceil(n / 16) * 16): each block of 16 along the last dim times
-    diag(RHT_SIGNS) @ H16 / 4, an orthogonal map, so (g Q) @ (x Q).T = g @ x.T. The last dim is
-    zero-padded (zeros leave the product unchanged). A fixed butterfly in fp32 (fp64 stays), the
-    same additions on every device, rounded to x's dtype as TE writes it."""
+    """(..., n) -> (..., ceil(n / 16) * 16), zero-padded: each block of 16 times diag(RHT_SIGNS) @ H16 / 4,
+    orthogonal, so (g Q) @ (x Q).T = g @ x.T. A fixed fp32 butterfly, rounded to x's dtype as TE's."""
     n = x.shape[-1]
     work = torch.promote_types(x.dtype, torch.float32)
     signs = torch.tensor(RHT_SIGNS, dtype=work, device=x.device) * 0.25     # 1/sqrt(16): exact

@@ -80,10 +80,8 @@ class DelayedState(NamedTuple):
 
 
 class BatchAmax(NamedTuple):
-    """Batch-scope state of one role under current scaling (te_func.vmapped): the batch's amax,
-    and for a per-sample call its scale, so that the samples' GEMMs are the batch's. The pass
-    over the whole batch starts from 0 without a scale (plain current scaling). Both record the
-    max, so te_func.vmapped can check that no sample's exceeded the batch's."""
+    """Batch-scope state of one role under current scaling: the batch's amax, and for a per-sample
+    call its scale, so the samples' GEMMs are the batch's (the batch's own pass has no scale)."""
     amax: torch.Tensor                  # () float32
     scale: torch.Tensor | None = None   # () float32: a per-sample call's
 
@@ -192,10 +190,8 @@ def _fused_cast(x: torch.Tensor, s: Scheme, state: DelayedState | BatchAmax | No
 
 
 def _compiled_cast(x: torch.Tensor, s: Scheme, amax: torch.Tensor | None) -> Quantized | None:
-    """Current scaling's cast of x under torch.compile on CUDA, or None: one kernel reduces the
-    partial maxes of x's pieces (`amax` where x's producer took them, else those of its row
-    chunks, which inductor takes in the pass that makes x) and casts. The same bits as
-    `cast_with_scale` (a max is exact in any order)."""
+    """Current scaling's cast of x under torch.compile on CUDA, or None: one kernel reduces the partial
+    maxes of x's pieces and casts, the bits of `cast_with_scale` (a max is exact in any order)."""
     if amax is not None and amax.dim() == 1:
         partials = amax
     else:
