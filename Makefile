@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test,demo,bench]'
 	touch $@
 
+# ruff lints but does not reformat: its formatter would turn the aligned continuation lines into
+# one argument a line, a quarter more lines for the same code.
 # mypy (a minute or more, most of it reading torch's types) runs beside the tests; either failing fails.
 test: venv
 	$(VENV)/bin/ruff check te_func
