@@ -66,7 +66,7 @@ class _Boundary(torch.autograd.Function):
         keep = set(op.differentiable) | set(op.carried)
         ctx.mark_non_differentiable(*(t for k, t in outputs.items() if k not in keep and t is not None))
         named = {**dict(zip(names, values)), **outputs}
-        # What backward reads, and where its derivative may be asked for, the linearization's inputs.
+        # What backward reads, and the linearization's inputs where backward's derivative may be asked for.
         ctx.plain, ctx.higher = backward_differentiable(named.get(k) for k in getattr(op, "primals", ()))
         extra = tuple(k for k in _linearization_inputs(op) if k not in op.saved) if ctx.higher else ()
         ctx.saved_names = op.saved + extra

@@ -49,7 +49,8 @@ def block_decode_scale(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.T
 
 
 def block_encode_scale(block_scale: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
-    """Each element's factor before rounding: 1 / (fp32(block_scale) * S_dec) (TE's block_scale_inverse)."""
+    """Each element's factor before rounding: 1 / (fp32(block_scale) * S_dec), the largest finite fp32
+    where the block scale is 0 (TE's block_scale_inverse)."""
     return torch.clamp(torch.reciprocal(block_scale.float() * s_dec), max=_FLT_MAX)
 
 
