@@ -1,6 +1,8 @@
 """The private torch internals te_func reads: torch.func's transform levels and wrappers, the
 autograd engine's running backward, the one torch bug it works around (inductor's C++ loop
-split), and the vmap rule for Tensor.view(dtype) torch 2.11 lacks.
+split), and the vmap rule for Tensor.view(dtype) torch 2.11 lacks. What subclasses or hooks into
+torch (nn.Module's dicts, FSDP's hooks, TP styles), torch._scaled_mm and dynamo's public-by-use
+hooks stay where they are used.
 
 Checked on torch 2.11 and 2.13. A torch upgrade that moves them breaks here first:
 tests/transforms/ run every path through them."""
