@@ -33,6 +33,9 @@ BASELINE = "torch-bf16"
 LLAMA = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
              num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)
 LLAMA_BATCH = (2, 4096)
+# The whole Llama-3.2-1B architecture (16 layers, 2048 / 8192, tied 128,256-token embedding), same batch.
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096, tie_word_embeddings=True)
 LLAMA_QUICK = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
 
@@ -57,7 +60,7 @@ class Workload:
         """Forward GEMM FLOPs of one call; backward counts twice that."""
         t, h, f = self.shape
         if self.kind == "llama":     # the decoder's GEMMs: q, k, v, o, gate, up, down per layer
-            cfg = LLAMA_QUICK if h < 1024 else LLAMA
+            cfg = llama_config(self)
             kv = h * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
             per_layer = 2 * t * h * (2 * h + 2 * kv + 3 * f)
             return 3 * per_layer * cfg["num_hidden_layers"]
@@ -88,7 +91,15 @@ def workloads(quick: bool) -> list[Workload]:
     cfg, (b, seq) = (LLAMA_QUICK, (2, 16)) if quick else (LLAMA, LLAMA_BATCH)
     w.append(Workload("llama_4l_4096x14336_8192tok" if not quick else "llama_quick", "llama",
                       (b * seq, cfg["hidden_size"], cfg["intermediate_size"])))
+    if not quick:
+        w.append(Workload("llama1b_16l_2048x8192_8192tok", "llama",
+                          (b * seq, LLAMA_1B["hidden_size"], LLAMA_1B["intermediate_size"])))
     return w
+
+
+def llama_config(w: Workload) -> dict:
+    """The HF Llama config of a "llama" workload, by its hidden size."""
+    return {LLAMA["hidden_size"]: LLAMA, LLAMA_1B["hidden_size"]: LLAMA_1B}.get(w.shape[1], LLAMA_QUICK)
 
 
 @dataclass
@@ -357,7 +368,7 @@ def _llama_step(variant: str, w: Workload, inputs: Inputs, cache: bool) -> Step:
     """One training step of the HF Llama: forward + backward + AdamW, compiled; lm_head in bf16."""
     from transformers import LlamaConfig, LlamaForCausalLM
     quick = w.shape[1] < 1024
-    cfg = LLAMA_QUICK if quick else LLAMA
+    cfg = llama_config(w)
     b, seq = (2, 16) if quick else LLAMA_BATCH
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**cfg)).to(inputs.device, DTYPE)

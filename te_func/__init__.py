@@ -20,8 +20,11 @@ from .checkpoint import checkpoint
 
 _compat.guard_cpu_loop_split_at_compile()
 
-__all__ = ["Error", "errors", "integrations", "distributed", "functional", "nn", "quant", "recipe", "convert",
-           "fp8_pays", "autocast", "functional_call", "grad", "higher_order", "init_workspaces", "value_and_grad",
-           "workspace_spec", "validate_workspaces", "upgrade_workspaces", "Stateful", "set_check_finite",
-           "per_sample_grad", "per_sample_value_and_grad", "fold_workspaces", "stack_workspaces", "unstack_workspaces",
-           "stack_module_state", "unstack_module_state", "freeze", "frozen_layers", "checkpoint"]
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "Error", "errors", "integrations", "distributed", "functional", "nn", "quant", "recipe",
+           "convert", "fp8_pays", "autocast", "functional_call", "grad", "higher_order", "init_workspaces",
+           "value_and_grad", "workspace_spec", "validate_workspaces", "upgrade_workspaces", "Stateful",
+           "set_check_finite", "per_sample_grad", "per_sample_value_and_grad", "fold_workspaces", "stack_workspaces",
+           "unstack_workspaces", "stack_module_state", "unstack_module_state", "freeze", "frozen_layers",
+           "checkpoint"]

@@ -9,14 +9,18 @@ tests/transforms/ run every path through them."""
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
+import sys
 
 import torch
 from torch._C import _functorch
 from torch._functorch import pyfunctorch
 
 __all__ = ["transform_levels", "current_level", "tensor_level", "is_wrapped", "is_batched", "is_grad_tracking",
-           "unwrap", "base_tensor", "requires_grad", "forward_ad_active", "functorch_disabled", "backward_task_id",
-           "queue_backward_callback", "guard_cpu_loop_split", "guard_cpu_loop_split_at_compile",
+           "unwrap", "max_to_level", "is_batched_anywhere", "base_tensor", "requires_grad", "forward_ad_active",
+           "functorch_disabled", "backward_task_id", "queue_backward_callback", "guard_cpu_loop_split",
+           "guard_cpu_loop_split_at_compile", "when_compiler_imported", "allow_in_graph", "assume_constant_result",
            "ensure_view_dtype_batching"]
 
 
@@ -57,6 +61,27 @@ def unwrap(t: torch.Tensor) -> torch.Tensor:
     return _functorch.get_unwrapped(t)
 
 
+def max_to_level(t: torch.Tensor, level: int) -> torch.Tensor:
+    """`t` as a tensor of torch.func level `level` (or below): each vmap wrapper above it taken off
+    with an elementwise max over its batch dim, every other wrapper taken off as it is."""
+    while _functorch.is_functorch_wrapped_tensor(t) and _functorch.maybe_get_level(t) > level:
+        if _functorch.is_batchedtensor(t):
+            bdim = _functorch.maybe_get_bdim(t)
+            t = _functorch.get_unwrapped(t).amax(dim=bdim)
+        else:
+            t = _functorch.get_unwrapped(t)
+    return t
+
+
+def is_batched_anywhere(t: torch.Tensor) -> bool:
+    """Whether any torch.func wrapper of `t` is vmap's."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        if _functorch.is_batchedtensor(t):
+            return True
+        t = _functorch.get_unwrapped(t)
+    return False
+
+
 def functorch_disabled():
     """A context in which torch.func's transforms see nothing (a kernel launch on plain tensors)."""
     return torch._C._DisableFuncTorch()
@@ -94,14 +119,69 @@ def forward_ad_active() -> bool:
     return torch.autograd.forward_ad._current_level >= 0
 
 
+# --- the compiler, when something imports it ---------------------------------------------------
+# torch._dynamo (and sympy with it) takes seconds to import: eager users never pay it. What te_func
+# tells the compiler is told when torch._dynamo is imported (by torch.compile, export or the user).
+
+_DYNAMO = "torch._dynamo"
+_on_dynamo: list = []
+
+
+class _DynamoImportWatch(importlib.abc.MetaPathFinder):
+    """Runs the `_on_dynamo` callbacks right after torch._dynamo's module has executed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _DYNAMO:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            _run_dynamo_callbacks()
+        spec.loader.exec_module = exec_module       # type: ignore[method-assign]  # this import only
+        return spec
+
+
+def _run_dynamo_callbacks() -> None:
+    while _on_dynamo:
+        _on_dynamo.pop(0)()
+
+
+def when_compiler_imported(fn) -> None:
+    """Runs `fn` now if torch._dynamo is imported, else right after it is."""
+    _on_dynamo.append(fn)
+    if _DYNAMO in sys.modules:
+        _run_dynamo_callbacks()
+    elif not any(isinstance(f, _DynamoImportWatch) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DynamoImportWatch())
+
+
+def allow_in_graph(fn):
+    """torch._dynamo.allow_in_graph(fn), once the compiler is imported; returns fn."""
+    when_compiler_imported(lambda: torch._dynamo.allow_in_graph(fn))
+    return fn
+
+
+def assume_constant_result(fn):
+    """torch.compiler.assume_constant_result(fn), without importing the compiler: the mark it sets."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def guard_cpu_loop_split_at_compile() -> None:
-    """`guard_cpu_loop_split` at the start of every torch.compile, when inductor is imported anyway."""
-    try:
-        from torch._dynamo.callback import on_compile_start
-    except ImportError:
-        guard_cpu_loop_split()
-        return
-    on_compile_start(lambda *_: guard_cpu_loop_split())
+    """`guard_cpu_loop_split` at the start of every torch.compile, once the compiler is imported."""
+    def register():
+        try:
+            from torch._dynamo.callback import on_compile_start
+        except ImportError:
+            guard_cpu_loop_split()
+            return
+        on_compile_start(lambda *_: guard_cpu_loop_split())
+    when_compiler_imported(register)
 
 
 def guard_cpu_loop_split() -> None:

@@ -101,16 +101,18 @@ def _replacement(module: nn.Module, conv1d) -> tuple[nn.Module | None, str | Non
 
 
 def convert(model: nn.Module, *, module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
-    """Swap, in place, the convertible layers of `model` for te_func's; returns `model`.
-    module_filter_fn(module, fqn) -> bool, as torchao's, picks them. A convertible root has no
-    parent to hold its replacement: wrap it, e.g. in torch.nn.Sequential."""
+    """Swap, in place, the convertible layers of `model` for te_func's; returns the model. A root
+    that is itself convertible (a bare nn.Linear) comes back as its te_func layer, as torchao's swap
+    does: use the return value. module_filter_fn(module, fqn) -> bool, as torchao's, picks layers
+    (fqn "" for the root). What stays in high precision is summarized in one WARNING on the
+    `te_func.convert` logger, grouped by reason; each layer is logged at INFO."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"tef.convert: model must be a torch.nn.Module, got {type(model).__name__}")
     conv1d = _conv1d_type()
-    converted, skipped = [], 0
+    converted: list[str] = []
+    left: dict[str, list[str]] = {}        # why -> the layers left for it
+    root = model
     for fqn, module in list(model.named_modules()):
-        if not fqn:
-            continue
         found = _replacement(module, conv1d)
         if found is None:
             continue
@@ -118,15 +120,33 @@ def convert(model: nn.Module, *, module_filter_fn: Callable[[nn.Module, str], bo
             continue
         new, why = found
         if new is None:
-            skipped += 1
-            log.info("tef.convert: %s (%s) stays as it is: %s", fqn, type(module).__name__, why)
+            why = why or "no reason given"
+            left.setdefault(_reason(why), []).append(fqn or "(root)")
+            log.info("tef.convert: %s (%s) stays as it is: %s", fqn or "(root)", type(module).__name__, why)
             continue
         new.train(module.training)
-        parent_name, _, child = fqn.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, new)
-        converted.append(fqn)
-    log.info("tef.convert: %d layers converted, %d left as they are", len(converted), skipped)
-    return model
+        if not fqn:
+            root = new
+        else:
+            parent_name, _, child = fqn.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, new)
+        converted.append(fqn or "(root)")
+    if left:
+        groups = "; ".join(f"{len(fqns)} for {why}: {_some(fqns)}" for why, fqns in left.items())
+        log.warning("tef.convert: %d layer(s) converted, %d left in high precision (%s)", len(converted),
+                    sum(map(len, left.values())), groups)
+    else:
+        log.info("tef.convert: %d layer(s) converted", len(converted))
+    return root
+
+
+def _reason(why: str) -> str:
+    # The reason without the layer's own sizes, so that layers left for one reason group together.
+    return why.split(": ", 1)[1] if ": " in why else why
+
+
+def _some(fqns: list[str], shown: int = 4) -> str:
+    return ", ".join(fqns[:shown]) + (f" and {len(fqns) - shown} more" if len(fqns) > shown else "")
 
 
 def gemm_size(tokens: int, in_features: int, out_features: int) -> float:

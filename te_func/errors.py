@@ -7,7 +7,8 @@ each is raised is in docs/architecture.md."""
 from __future__ import annotations
 
 __all__ = ["Error", "WorkspaceError", "MissingEntryError", "UnknownEntryError", "EntryMismatchError",
-           "RecipeMismatchError", "TransformError", "DerivativeError", "FrozenModelError", "HighPrecisionWarning"]
+           "RecipeMismatchError", "UnknownParameterError", "TransformError", "DerivativeError", "UnrecordedAmaxError",
+           "FrozenModelError", "HighPrecisionWarning"]
 
 
 class Error(Exception):
@@ -42,12 +43,22 @@ class RecipeMismatchError(WorkspaceError, ValueError):
     """Workspaces or a frozen checkpoint made for another recipe or format (`recipe`: the one run with)."""
 
 
+class UnknownParameterError(Error, KeyError):
+    """Keys of the params given to tef.functional_call that name no parameter or buffer of the model.
+    Attributes: keys, nearest (the closest real name, or None)."""
+
+
 class TransformError(Error, RuntimeError):
     """A transform, autograd mode or call pattern te_func refuses rather than compute wrongly (`layer`)."""
 
 
 class DerivativeError(TransformError, NotImplementedError):
     """A derivative te_func's ops do not give in this setting."""
+
+
+class UnrecordedAmaxError(TransformError):
+    """A DelayedScaling backward whose output gradient's amax nothing can record (a compiled
+    backward outside tef.grad and tef.Stateful). Attributes: op."""
 
 
 class FrozenModelError(Error, RuntimeError, ValueError):

@@ -3,21 +3,26 @@ updated workspaces instead of mutating anything lets torch.func and torch.compil
 from __future__ import annotations
 
 import contextlib
+import difflib
 import threading
 import weakref
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from . import _compat, backward_state, distributed
-from .errors import (EntryMismatchError, MissingEntryError, RecipeMismatchError, TransformError, UnknownEntryError,
-                     WorkspaceError)
+from .errors import (EntryMismatchError, FrozenModelError, MissingEntryError, RecipeMismatchError, TransformError,
+                     UnknownEntryError, UnknownParameterError, WorkspaceError)
 from .functional._common import first_microbatch
 from .nn import TEModule
+from .nn.frozen import FrozenLayer
 from .nn.context import NO_CACHE, CallScope, Frame, open_call_scopes, push, push_call_scope
 from .quant import lower
 from .quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, Entry, fingerprint_entry, is_cast_key
-from .recipe import RECIPES, fingerprint
+from .recipe import RECIPES, Recipe, describe, difference, fingerprint, recipe_of
 
 __all__ = ["init_workspaces", "functional_call", "autocast", "grad", "value_and_grad", "workspace_spec",
            "batch_scope_spec", "validate_workspaces", "keeps_weight_casts", "backward_keys", "upgrade_workspaces"]
@@ -92,8 +97,18 @@ def init_workspaces(model: nn.Module, recipe, *, weight_cache: bool = True) -> d
         weights = distributed.cast_sources(path, m, units) if weight_cache else None
         ws.update({_prefix(path) + k: v for k, v in m.init_workspace(recipe, weights, path, weight_cache).items()})
     ws[RECIPE_KEY] = fingerprint_entry(recipe, _device_of(model))
+    ws = outside_inference_mode(ws)     # made in an evaluation block, used for training after it
     mark_static(ws.values())
     return ws
+
+
+def outside_inference_mode(ws: dict) -> dict:
+    """`ws` with inference tensors as normal ones, usable outside inference_mode."""
+    if torch.compiler.is_compiling() or not any(isinstance(v, torch.Tensor) and v.is_inference()
+                                                for v in ws.values()):
+        return ws
+    with torch.inference_mode(False):
+        return {k: v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v for k, v in ws.items()}
 
 
 def mark_static(tensors) -> None:
@@ -161,12 +176,30 @@ def _made_for_problem(ws: dict, recipe) -> WorkspaceError | None:
         return RecipeMismatchError(f"these workspaces are in te_func's workspace format {version}; this te_func "
                                    f"reads format {FORMAT_VERSION}: {how}", recipe=recipe)
     if fp != fingerprint(recipe):
-        return RecipeMismatchError(f"these workspaces were made for another recipe (or other recipe options) than "
-                                   f"{recipe!r}: make them with tef.init_workspaces(model, recipe) for the recipe "
-                                   f"you run with, or, for a checkpoint, load the weights alone "
-                                   f"(Stateful.load_state_dict with strict=False makes fresh workspaces)",
+        try:
+            made = recipe_of(fp)
+        except KeyError:        # a recipe this process has not made: its class, from the entries
+            what = f"made for {_recipe_class_of(ws)}, run with {describe(recipe)}"
+        else:
+            what = difference(made, recipe)
+        return RecipeMismatchError(f"these workspaces were made for another recipe: {what}. Make them with "
+                                   f"tef.init_workspaces(model, recipe) for the recipe you run with",
                                    recipe=recipe)
     return None
+
+
+def _recipe_class_of(ws: dict) -> str:
+    """The recipe class workspaces' entries show (each keeps its own kind of entry)."""
+    keys = [k for k in ws if k != RECIPE_KEY]
+    if any(k.endswith("amax_history") for k in keys):
+        return "DelayedScaling"
+    if any(k.endswith("global_amax") for k in keys):
+        return "NVFP4BlockScaling"
+    if any(k.endswith("scale_inv_t") for k in keys):
+        return "MXFP8BlockScaling or Float8BlockScaling"
+    if keys:
+        return "Float8CurrentScaling"
+    return "another recipe (or None)"
 
 
 def _entry_problems(model, ws, recipe, owners: dict, dropped: set):
@@ -250,9 +283,7 @@ def _validate(model, ws, recipe) -> tuple[dict, bool]:
     dropped: set[str] = set()
     first_entry = next(_entry_problems(model, ws, recipe, owners, dropped), None)
     made_for = _made_for_problem(ws, recipe)
-    if made_for is not None:
-        if first_entry is not None:     # the recipe first, then what else does not fit
-            made_for.args = (f"{made_for.args[0]} ({first_entry.args[0]})",)
+    if made_for is not None:        # the recipe first: the entries' misfit follows from it
         raise made_for
     if first_entry is not None:
         raise first_entry
@@ -274,18 +305,35 @@ def _model_lock(model: nn.Module):
     return lock
 
 
-def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *, recipe,
-                    is_first_microbatch: bool | None = None, amax_group=None, _watch=None):
-    """Run `model` with `params` (as torch.func.functional_call takes them) and workspaces `ws`.
-    Returns `(out, new_ws)`; nothing passed in is mutated.
+def functional_call(model: nn.Module, params: dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], ...],
+                    ws: dict[str, torch.Tensor], args: tuple | Any = (), kwargs: dict[str, Any] | None = None, *,
+                    recipe: Recipe | None, is_first_microbatch: bool | None = None,
+                    amax_group: Any = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Run `model` with `params` (as torch.func.functional_call takes them) and workspaces `ws`
+    (from `init_workspaces(model, recipe)`). Returns `(out, new_ws)`: the model's output, and every
+    entry of `ws`, updated. Nothing passed in is mutated.
 
     is_first_microbatch: None and True cast the weights and store the casts (None never reads
     them); False reuses a stored cast. A layer called again within the call runs as False; a layer's
     own argument wins. amax_group: the ranks DelayedScaling(reduce_amax=True) reduces over.
     Under FSDP, `params` may be the sharded parameters (docs/distributed.md)."""
+    return call_watched(model, params, ws, args, kwargs, recipe=recipe, is_first_microbatch=is_first_microbatch,
+                        amax_group=amax_group)
+
+
+def call_watched(model: nn.Module, params, ws: dict, args=(), kwargs=None, *, recipe,
+                 is_first_microbatch: bool | None = None, amax_group=None, watch=None):
+    """`functional_call`, with `watch` (tef.Stateful's) handed to every layer's frame."""
     if recipe is not None and not _te_modules(model):
+        if any(isinstance(m, FrozenLayer) for m in model.modules()):
+            raise FrozenModelError(f"tef.functional_call: {type(model).__name__} is frozen (tef.freeze): it holds "
+                                   f"FP8 weight casts for inference only, with no workspaces to thread; call it "
+                                   f"directly (frozen(x)), or train the model it was frozen from")
         raise ValueError(f"tef.functional_call: the model ({type(model).__name__}) has no te_func layers, so "
                          f"recipe={type(recipe).__name__} would change nothing; convert it first: tef.convert(model)")
+    _check_param_names(model, params)
+    if isinstance(ws, dict) and not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
+        ws = outside_inference_mode(ws)     # workspaces an inference_mode call returned
     owners, weight_cache = _validate(model, ws, recipe)
     if not weight_cache and is_first_microbatch is not None:
         raise ValueError(NO_CACHE.format(who="tef.functional_call", value=is_first_microbatch))
@@ -304,7 +352,7 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
     args = args if isinstance(args, tuple) else (args,)
     frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"),
                   update_state=torch.is_grad_enabled(), batch_scales=any(s.batch_scales for s in scopes),
-                  watch=_watch, weight_cache=weight_cache)
+                  watch=watch, weight_cache=weight_cache)
     with _model_lock(model), push(frame), distributed.gathered_params(model, params) as params:
         out = torch.func.functional_call(model, params, args, kwargs or {})
     # Plain state: an entry made under autograd would carry the step's graph into the next step.
@@ -314,6 +362,26 @@ def functional_call(model: nn.Module, params, ws: dict, args=(), kwargs=None, *,
         forward = {k: new_ws[k] for k, e in spec.items() if e.kind == "amax_history" and not e.backward}
         new_ws.update(distributed.reduce_amax_slots(forward, group))
     return out, new_ws
+
+
+def _check_param_names(model: nn.Module, params) -> None:
+    """Refuses keys of `params` (a dict, or a tuple of dicts as torch.func.functional_call takes) that
+    name no parameter or buffer of `model`: torch would run with the model's own tensor instead."""
+    dicts = params if isinstance(params, (tuple, list)) else (params,)
+    keys = [k for d in dicts if isinstance(d, dict) for k in d]
+    names = _tensor_names(model)
+    unknown = [k for k in keys if k not in names]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise UnknownParameterError(f"tef.functional_call: {unknown[0]!r} names no parameter or buffer of "
+                                    f"{type(model).__name__}{hint} (model.named_parameters() and named_buffers() "
+                                    f"list the names)", keys=unknown, nearest=near[0] if near else None)
+
+
+def _tensor_names(model: nn.Module) -> set[str]:
+    return {k for k, _ in (*model.named_parameters(remove_duplicate=False),
+                           *model.named_buffers(remove_duplicate=False))}
 
 
 def _refuse_second_differentiated_call(model, owners: dict, scopes: list, backward: list) -> None:
@@ -343,11 +411,25 @@ def autocast(recipe):
         yield
 
 
-def _split_aux(out, fn_name):
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
-        raise TypeError(f"{fn_name}: the function must return (loss, new_ws), new_ws being the dict "
-                        f"tef.functional_call returned")
-    return out
+def _is_workspaces(x) -> bool:
+    return isinstance(x, dict) and RECIPE_KEY in x
+
+
+def _split_aux(out, fn_name: str, has_aux: bool):
+    """(loss, new_ws, aux) from what `fn` returned: (loss, new_ws), or with has_aux (loss, new_ws, aux)
+    or ((loss, aux), new_ws)."""
+    if has_aux and isinstance(out, tuple) and len(out) == 3 and _is_workspaces(out[1]):
+        return out
+    if has_aux and isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], tuple) and len(out[0]) == 2 \
+            and _is_workspaces(out[1]):
+        return out[0][0], out[1], out[0][1]
+    if not has_aux and isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+        return out[0], out[1], None
+    shape = "(loss, new_ws, aux) or ((loss, aux), new_ws)" if has_aux else "(loss, new_ws)"
+    hint = ("" if has_aux or not (isinstance(out, tuple) and len(out) == 3)
+            else "; to return more, pass has_aux=True and return (loss, new_ws, aux)")
+    raise TypeError(f"{fn_name}: the function must return {shape}, new_ws being the dict tef.functional_call "
+                    f"returned{hint}")
 
 
 def _carries_state(t) -> bool:
@@ -355,9 +437,9 @@ def _carries_state(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype == torch.float32
 
 
-def _grad_and_value(fn, argnums, fn_name, args, kwargs):
-    """torch.func.grad_and_value of fn(params, ws, ...) -> (loss, new_ws) w.r.t. `argnums` and the
-    entries backward updates, which are merged into new_ws: (grads, loss, new_ws)."""
+def _grad_and_value(fn, argnums, has_aux, fn_name, args, kwargs):
+    """torch.func.grad_and_value of fn(params, ws, ...) -> (loss, new_ws[, aux]) w.r.t. `argnums` and
+    the entries backward updates, which are merged into new_ws: (grads, loss, new_ws, aux)."""
     if len(args) < 2 or not isinstance(args[1], dict):
         raise TypeError(f"{fn_name}: call it as f(params, ws, ...), ws being the workspace dict from "
                         f"tef.init_workspaces; got {len(args)} positional argument(s)")
@@ -376,31 +458,40 @@ def _grad_and_value(fn, argnums, fn_name, args, kwargs):
         # Not `*user, st = a`: torch 2.11's dynamo makes that a tuple and breaks at the assignment.
         user, st = list(a[:-1]), a[-1]
         user[1] = {**user[1], **st}   # the entries as separate inputs, so that they get gradients
-        return _split_aux(fn(*user, **k), fn_name)
+        loss, new_ws, aux = _split_aux(fn(*user, **k), fn_name, has_aux)
+        return loss, (new_ws, aux) if has_aux else (new_ws,)
 
     with push_call_scope(scope):
-        grads, (loss, new_ws) = torch.func.grad_and_value(with_state, argnums=nums + (len(args),), has_aux=True)(
-            *args, state, **kwargs)
+        grads, (loss, (new_ws, *aux)) = torch.func.grad_and_value(
+            with_state, argnums=nums + (len(args),), has_aux=True)(*args, state, **kwargs)
+    aux = aux[0] if has_aux else None
     *grads, state_grads = grads
     grads = grads[0] if isinstance(argnums, int) else tuple(grads)
     grads = distributed.scattered_grads(grads, argnums, shard_specs)
     backward = {k: state_grads[k] for k in scope.backward_keys if k in state_grads}
-    return grads, loss, backward_state.merge(new_ws, backward_state.reduce_amaxes(backward, scope.amax_groups))
+    new_ws = backward_state.merge(new_ws, backward_state.reduce_amaxes(backward, scope.amax_groups))
+    return grads, loss, new_ws, aux
 
 
-def grad(fn, argnums=0):
-    """`torch.func.grad` of `fn(params, ws, ...) -> (loss, new_ws)`: `(grads, new_ws)`, backward's amaxes in."""
+def grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """`torch.func.grad` for te_func: `fn(params, ws, *args, **kwargs)` returns `(loss, new_ws)`, new_ws
+    being what `tef.functional_call` returned (with has_aux: `(loss, new_ws, aux)`, or
+    `((loss, aux), new_ws)`). The returned function takes fn's arguments and returns
+    `(grads, new_ws)` (with has_aux: `(grads, new_ws, aux)`): grads of the arguments `argnums` names
+    (an int: that argument's; a tuple: a tuple, as torch.func.grad), never of `ws` (argument 1), and
+    new_ws with what backward computed merged in (DelayedScaling's output-gradient amaxes)."""
     def wrapped(*args, **kwargs):
-        grads, _, new_ws = _grad_and_value(fn, argnums, "tef.grad", args, kwargs)
-        return grads, new_ws
+        grads, _, new_ws, aux = _grad_and_value(fn, argnums, has_aux, "tef.grad", args, kwargs)
+        return (grads, new_ws, aux) if has_aux else (grads, new_ws)
     return wrapped
 
 
-def value_and_grad(fn, argnums=0):
-    """Like `grad`, returning `(loss, grads, new_ws)`."""
+def value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0,
+                   has_aux: bool = False) -> Callable[..., Any]:
+    """Like `grad`, returning `(loss, grads, new_ws)` (with has_aux: `(loss, grads, new_ws, aux)`)."""
     def wrapped(*args, **kwargs):
-        grads, loss, new_ws = _grad_and_value(fn, argnums, "tef.value_and_grad", args, kwargs)
-        return loss, grads, new_ws
+        grads, loss, new_ws, aux = _grad_and_value(fn, argnums, has_aux, "tef.value_and_grad", args, kwargs)
+        return (loss, grads, new_ws, aux) if has_aux else (loss, grads, new_ws)
     return wrapped
 
 

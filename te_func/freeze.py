@@ -18,6 +18,7 @@ from .functional._gemm import GemmStep
 from .nn import TEModule
 from .nn.frozen import FROZEN_LAYERS, FrozenLayer
 from .quant import DelayedState, Quantized, lower
+from .recipe import describe
 from .shell import Stateful
 
 __all__ = ["freeze", "frozen_layers"]
@@ -90,7 +91,8 @@ def freeze(model: nn.Module, recipe, *, workspaces: dict | None = None, device=N
     gradients; `model` is not modified."""
     if isinstance(model, Stateful):
         if recipe != model.recipe:
-            raise RecipeMismatchError(f"tef.freeze: the shell runs {model.recipe!r}, not {recipe!r}", recipe=recipe)
+            raise RecipeMismatchError(f"tef.freeze: the shell runs {describe(model.recipe)}, not {describe(recipe)}",
+                                      recipe=recipe)
         workspaces = model.workspaces if workspaces is None else workspaces
         model = model.model
     if not isinstance(model, nn.Module):

@@ -52,18 +52,55 @@ def _static_default(f: dataclasses.Field):
     return f.default_factory() if callable(f.default_factory) else f.default
 
 
+def _changed_fields(recipe) -> dict:
+    return {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)
+            if getattr(recipe, f.name) != _static_default(f)}
+
+
+def describe(recipe) -> str:
+    """`recipe` by its class and the fields that differ from their defaults: DelayedScaling(margin=1)."""
+    if recipe is None:
+        return "None (high precision)"
+    return f"{type(recipe).__name__}({', '.join(f'{k}={v!r}' for k, v in _changed_fields(recipe).items())})"
+
+
+# fingerprint -> a recipe of it: the recipes made in this process (and each class's defaults), so
+# that a mismatch can name the recipe workspaces were made for.
+_seen: dict[int, object] = {}
+
+
 def _remember_fingerprint(recipe) -> None:
     # Workspaces record their recipe by this number: of the class and the fields that differ from
     # their defaults, so a field added later leaves fingerprints alone. Computed once here, as
     # torch.compile reads a constant's attribute but would not trace sha256.
-    changed = [f"{f.name}={getattr(recipe, f.name)!r}" for f in dataclasses.fields(recipe)
-               if getattr(recipe, f.name) != _static_default(f)]
+    changed = [f"{k}={v!r}" for k, v in _changed_fields(recipe).items()]
     object.__setattr__(recipe, "_fingerprint", _digest(f"{type(recipe).__name__}({', '.join(changed)})"))
+    _seen.setdefault(recipe._fingerprint, recipe)
 
 
 def fingerprint(recipe) -> int:
     """A 62-bit number that names `recipe` (None: high precision) by value."""
     return _digest("None") if recipe is None else recipe._fingerprint
+
+
+def recipe_of(fp: int):
+    """The recipe whose fingerprint is `fp`, where this process has seen it (None: high precision);
+    raises KeyError where it has not."""
+    if fp == fingerprint(None):
+        return None
+    if fp not in _seen:
+        for cls in RECIPES:     # each class's defaults
+            cls()
+    return _seen[fp]
+
+
+def difference(made_for, given) -> str:
+    """What differs between two recipes, briefly: their classes, or the fields whose values differ."""
+    if type(made_for) is not type(given):
+        return f"made for {describe(made_for)}, run with {describe(given)}"
+    fields = [f.name for f in dataclasses.fields(given) if getattr(made_for, f.name) != getattr(given, f.name)]
+    return f"{type(given).__name__} with " + ", ".join(
+        f"{k}={getattr(made_for, k)!r} (made for) vs {getattr(given, k)!r} (given)" for k in fields)
 
 
 # --- the parts -----------------------------------------------------------------------------------

@@ -13,12 +13,13 @@ from torch import nn
 
 from . import _compat, backward_state, distributed
 from .errors import FrozenModelError, MissingEntryError, TransformError, UnknownEntryError
-from .frame import (backward_keys, backward_weights, functional_call, init_workspaces, keeps_weight_casts,
-                    mark_static, upgrade_workspaces, workspace_spec)
+from .frame import (backward_keys, backward_weights, call_watched, init_workspaces, keeps_weight_casts,
+                    mark_static, outside_inference_mode, upgrade_workspaces, workspace_spec)
 from .nn import TEModule
 from .nn.frozen import FrozenLayer
 from .ops import on_backward
 from .quant.workspace import RECIPE_KEY
+from .recipe import describe
 
 __all__ = ["Stateful"]
 
@@ -31,7 +32,7 @@ WORKSPACES_FILE = "te_func_workspaces.safetensors"
 def _call_saying_what_changed(model, *args, **kwargs):
     """functional_call for an eager shell call, saying that a misfit means the layers changed."""
     try:
-        return functional_call(model, *args, **kwargs)
+        return call_watched(model, *args, **kwargs)
     except (MissingEntryError, UnknownEntryError) as e:
         raise type(e)(f"tef.Stateful: the shell's workspaces no longer fit its model, whose te_func layers changed "
                       f"since they were made (a layer replaced, added or removed: peft's merge_and_unload, an "
@@ -156,7 +157,7 @@ class Stateful(nn.Module):
         super().__setattr__(name, value)
 
     def _set_workspaces(self, ws: dict):
-        ws = _outside_inference_mode(ws)
+        ws = outside_inference_mode(ws)
         mark_static(ws.values())
         self._workspaces = ws
         self._make_sinks_and_inboxes()
@@ -247,13 +248,13 @@ class Stateful(nn.Module):
                 # the op reports its amax even where autograd drops the leaf's gradient.
                 ws = {**ws, **{k: ws[k].detach().requires_grad_() for k in self._backward_keys}}
                 watch = self._watcher()
-        run = functional_call if compiling else _call_saying_what_changed
+        run = call_watched if compiling else _call_saying_what_changed
         out, new_ws = run(self.model, params, ws, args, kwargs, recipe=self.recipe,
-                          is_first_microbatch=is_first_microbatch, amax_group=self.amax_group, _watch=watch)
+                          is_first_microbatch=is_first_microbatch, amax_group=self.amax_group, watch=watch)
         new_ws = {**new_ws, **{k: new_ws[k].detach() for k in self._backward_keys}}
         # dynamo cannot trace the inference_mode check: compiled calls skip it
         inference = not compiling and torch.is_inference_mode_enabled()
-        self._workspaces = _outside_inference_mode(new_ws) if inference else new_ws
+        self._workspaces = outside_inference_mode(new_ws) if inference else new_ws
         return out
 
     # --- modules around it: state_dict, copies, devices ---------------------------------------
@@ -280,7 +281,7 @@ class Stateful(nn.Module):
                 holds_casts = keeps_weight_casts(self.model, ws, self.recipe)
             except (KeyError, ValueError) as e:
                 raise type(e)(f"Stateful.load_state_dict: the checkpoint does not fit this shell "
-                              f"(recipe={self.recipe!r}): {e.args[0]}") from None
+                              f"(recipe={describe(self.recipe)}): {e.args[0]}") from None
             if self.weight_cache and not holds_casts:
                 raise ValueError("Stateful.load_state_dict: the checkpoint's workspaces keep no weight casts (saved "
                                  "by a shell made with weight_cache=False) and this shell keeps them: load it into "
@@ -424,15 +425,6 @@ class Stateful(nn.Module):
     def extra_repr(self) -> str:
         return (f"recipe={self.recipe!r}" + ("" if self.amax_group is None else f", amax_group={self.amax_group!r}")
                 + ("" if self.weight_cache else ", weight_cache=False"))
-
-
-def _outside_inference_mode(ws: dict) -> dict:
-    """`ws` with inference tensors as normal ones, usable outside inference_mode."""
-    if torch.compiler.is_compiling() or not any(isinstance(v, torch.Tensor) and v.is_inference()
-                                                for v in ws.values()):
-        return ws
-    with torch.inference_mode(False):
-        return {k: v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v for k, v in ws.items()}
 
 
 def _format_of(ws: dict) -> int | None:

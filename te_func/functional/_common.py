@@ -16,10 +16,13 @@ def check_input(layer: str, inp: torch.Tensor, features: int, params: dict[str, 
     dtypes = FLOAT_DTYPES if recipe is not None else FLOAT_DTYPES + (torch.float64,)
     if not isinstance(inp, torch.Tensor):
         raise TypeError(f"{layer}: input must be a torch.Tensor, got {type(inp).__name__}")
-    if inp.dim() < 1 or inp.shape[-1] != features:
+    if inp.dim() < 1:
+        raise ValueError(f"{layer}: the input is a 0-d tensor; the layer takes (..., {features}) inputs, "
+                         f"features last (x.reshape(-1, {features}))")
+    if inp.shape[-1] != features:
         raise ValueError(f"{layer}: input's last dim must be in_features={features}, got input of shape "
                          f"{tuple(inp.shape)}; reshape the input or build the layer with "
-                         f"in_features={inp.shape[-1] if inp.dim() else '?'}")
+                         f"in_features={inp.shape[-1]}")
     if inp.dtype not in dtypes:
         raise TypeError(f"{layer}: input dtype {inp.dtype} is not supported; use float32, bfloat16 or "
                         f"float16 (cast with inp.to(torch.bfloat16))")

@@ -134,13 +134,13 @@ COMPILED_CAST_ROWS = 64
 PARTIAL_ROW, MIN_PARTIAL_ROW, MAX_PARTIALS = 4096, 256, 1024
 
 
-@torch.compiler.assume_constant_result
+@_compat.assume_constant_result
 def _compiled_casts_ready() -> bool:
     # A constant of the traced graph: whether te_func.kernels.cast (and its op) imports here.
     return _kernels("cast") is not None
 
 
-@torch.compiler.assume_constant_result
+@_compat.assume_constant_result
 def _gelu_tile() -> tuple[int, int]:
     return _kernels("cast").GELU_PARTIALS_TILE_M, _kernels("cast").GELU_PARTIALS_TILE_N
 

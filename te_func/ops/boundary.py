@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _compat
-from ..errors import DerivativeError, TransformError
+from ..errors import DerivativeError, TransformError, UnrecordedAmaxError
 
 __all__ = ["call", "call_forward", "GradContext", "on_backward", "higher_order", "first_order_only",
            "backward_differentiable"]
@@ -79,6 +79,9 @@ class _Boundary(torch.autograd.Function):
         # Sizes are inputs, not static config: a new MoE group size is not a new graph.
         ctx.sizes = {k: v for k, v in zip(names, values) if isinstance(v, (int, torch.SymInt))}
         ctx.op, ctx.names = op, names
+        # On ctx, not saved (saved tensors are version-checked): where nothing differentiates a
+        # carried input, backward records its new value into the output itself (`_record_carried`).
+        ctx.carried_out = {src: outputs[k] for k, src in op.carried.items() if outputs.get(k) is not None}
         ctx.dtypes = {k: v.dtype for k, v in zip(names, values) if isinstance(v, torch.Tensor)}
         # An unused output's gradient stays None (autograd's zeros are plain tensors, wrong beside
         # DTensor gradients); only the first output's, which every backward starts from, is filled.
@@ -109,6 +112,7 @@ class _Boundary(torch.autograd.Function):
                                f"which are not among its inputs")
         if differentiated:
             input_grads = _linearized_grads(op, saved, out_grads, input_grads, need)
+        input_grads = _record_carried(ctx, input_grads, need)
         return (None, None, *(input_grads.get(k) if need[k] else None for k in ctx.names))
 
     @staticmethod
@@ -236,12 +240,57 @@ def _linearized_grads(op, saved: dict, out_grads: dict, input_grads: dict, need:
                               for k, g in zip(wanted, linear)}}
 
 
+def _record_carried(ctx, input_grads: dict, need: dict) -> dict:
+    """Where nothing differentiates a carried input (plain .backward() or torch.func.grad through
+    tef.functional_call), its new value is merged, by max, into the output the call returned as
+    that state (so into the new workspaces). A compiled backward cannot write there: it refuses,
+    from inside its graph, if it runs (AOT autograd traces backwards that never run)."""
+    lost = [(k, out) for k, out in ctx.carried_out.items() if not need[k] and input_grads.get(k) is not None]
+    if not lost:
+        return input_grads
+    if torch.compiler.is_compiling():
+        first = next((k for k in ctx.names if need[k] and input_grads.get(k) is not None), None)
+        if first is not None:
+            input_grads = {**input_grads, first: refuse_unrecorded(input_grads[first], type(ctx.op).__name__)}
+        return input_grads
+    for k, out in lost:
+        try:
+            if _compat.is_batched_anywhere(out):    # per-member state (a vmapped ensemble's): per member
+                out.copy_(torch.maximum(out, _compat.max_to_level(input_grads[k], _compat.tensor_level(out))))
+                continue
+            # One state for a vmapped batch of backwards (jacrev, hessian, MAML's tasks): their max.
+            new, base = _compat.max_to_level(input_grads[k], -1), _compat.base_tensor(out)
+            with _compat.functorch_disabled():     # plain tensors: the transforms above see nothing
+                base.copy_(torch.maximum(base, new))
+        except RuntimeError as e:       # batched otherwise than its state
+            raise UnrecordedAmaxError(_UNRECORDED.format(op=type(ctx.op).__name__) + f" (here: {e})",
+                                      op=type(ctx.op).__name__) from None
+    return input_grads
+
+
+_UNRECORDED = ("te_func: {op}'s backward under DelayedScaling computed its output gradient's amax, and nothing "
+               "here can record it, so later gradients would be quantized with a stale scale. Differentiate with "
+               "tef.grad / tef.value_and_grad (the amaxes come back in new_ws) or through tef.Stateful; "
+               "docs/delayed.md")
+
+
+@torch.library.custom_op("te_func::refuse_unrecorded", mutates_args=())
+def refuse_unrecorded(t: torch.Tensor, op: str) -> torch.Tensor:
+    """Raises UnrecordedAmaxError: a compiled backward whose carried state nothing records ran."""
+    raise UnrecordedAmaxError(_UNRECORDED.format(op=op), op=op)
+
+
+@refuse_unrecorded.register_fake
+def _(t, op):
+    return torch.empty_like(t)
+
+
 def _no_autocast(values):
     device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
     return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
 
 
-@torch._dynamo.allow_in_graph
+@_compat.allow_in_graph
 def _apply(op, names, *values):
     return _Boundary.apply(op, names, *values)
 

@@ -277,8 +277,8 @@ class GemmSlot:
                          s[n("x_saved_amax")], None) if casts.need_dw else None
         dx, dw = (None, None) if casts.gq is None else backward_gemms(casts.gq, casts.gq_t, w_t, xq_t, cfg,
                                                                       dx_dtype, w_dtype)
-        sink = n("g_sink")
-        return dx, dw, {sink: backward_amax(casts.new_g) if ctx.need.get(sink) else None}
+        # Given whether or not the sink is differentiated: the boundary records it either way.
+        return dx, dw, {n("g_sink"): backward_amax(casts.new_g)}
 
     def _backward_unquantized(self, s, grad_out, need_dx, need_dw, dx_dtype, w_dtype):
         # TE's backward_override: the backward GEMMs run in high precision on the forward's casts

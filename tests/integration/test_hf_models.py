@@ -98,7 +98,7 @@ def test_the_filter_and_what_cannot_run_in_fp8_stay_as_they_are(caplog):
     assert "attn.out_proj (NonDynamicallyQuantizableLinear) stays as it is: a subclass" in text
     assert "norm (LayerNorm) stays as it is: normalized_shape=(4, 8)" in text
     assert "experts (Module) stays as it is: gate_up_proj (4, 64, 32): weights of 3-D or more" in text
-    assert "1 layers converted, 5 left as they are" in text
+    assert "1 layer(s) converted, 5 left in high precision" in text
 
 
 def test_fp8_pays_keeps_the_layers_whose_gemms_are_large_enough():
