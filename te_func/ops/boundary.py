@@ -81,7 +81,8 @@ class _Boundary(torch.autograd.Function):
         ctx.op, ctx.names = op, names
         # On ctx, not saved (saved tensors are version-checked): where nothing differentiates a
         # carried input, backward records its new value into the output itself (`_record_carried`).
-        ctx.carried_out = {src: outputs[k] for k, src in op.carried.items() if outputs.get(k) is not None}
+        # Detached aliases: the outputs themselves would hold this node, a cycle gc cannot free.
+        ctx.carried_out = {src: outputs[k].detach() for k, src in op.carried.items() if outputs.get(k) is not None}
         ctx.dtypes = {k: v.dtype for k, v in zip(names, values) if isinstance(v, torch.Tensor)}
         # An unused output's gradient stays None (autograd's zeros are plain tensors, wrong beside
         # DTensor gradients); only the first output's, which every backward starts from, is filled.
