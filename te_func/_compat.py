@@ -20,8 +20,8 @@ from torch._functorch import pyfunctorch
 __all__ = ["transform_levels", "current_level", "tensor_level", "is_wrapped", "is_batched", "is_grad_tracking",
            "unwrap", "max_to_level", "is_batched_anywhere", "base_tensor", "requires_grad", "forward_ad_active",
            "functorch_disabled", "backward_task_id", "queue_backward_callback", "guard_cpu_loop_split",
-           "guard_cpu_loop_split_at_compile", "when_compiler_imported", "allow_in_graph", "assume_constant_result",
-           "ensure_view_dtype_batching"]
+           "guard_cpu_loop_split_at_compile", "when_imported", "when_compiler_imported", "allow_in_graph",
+           "assume_constant_result", "ensure_view_dtype_batching"]
 
 
 def transform_levels() -> list[str]:
@@ -121,43 +121,53 @@ def forward_ad_active() -> bool:
 
 # --- the compiler, when something imports it ---------------------------------------------------
 # torch._dynamo (and sympy with it) takes seconds to import: eager users never pay it. What te_func
-# tells the compiler is told when torch._dynamo is imported (by torch.compile, export or the user).
+# tells the compiler is told when its module is imported (by torch.compile, export or the user).
 
 _DYNAMO = "torch._dynamo"
-_on_dynamo: list = []
+_CPP_CODEGEN = "torch._inductor.codegen.cpp"
+_on_import: dict[str, list] = {}
 
 
-class _DynamoImportWatch(importlib.abc.MetaPathFinder):
-    """Runs the `_on_dynamo` callbacks right after torch._dynamo's module has executed."""
+class _ImportWatch(importlib.abc.MetaPathFinder):
+    """Runs a module's `_on_import` callbacks right after the module has executed."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != _DYNAMO:
+        if name not in _on_import:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None:
             return spec
         run_module = spec.loader.exec_module
 
         def exec_module(module):
             run_module(module)
-            _run_dynamo_callbacks()
+            _run_callbacks(name)
         spec.loader.exec_module = exec_module       # type: ignore[method-assign]  # this import only
         return spec
 
 
-def _run_dynamo_callbacks() -> None:
-    while _on_dynamo:
-        _on_dynamo.pop(0)()
+def _run_callbacks(name: str) -> None:
+    callbacks = _on_import.get(name, [])
+    while callbacks:
+        callbacks.pop(0)()
+
+
+def when_imported(name: str, fn) -> None:
+    """Runs `fn` now if module `name` is imported, else right after it is."""
+    _on_import.setdefault(name, []).append(fn)
+    if name in sys.modules:
+        _run_callbacks(name)
+    elif not any(isinstance(f, _ImportWatch) for f in sys.meta_path):
+        sys.meta_path.insert(0, _ImportWatch())
 
 
 def when_compiler_imported(fn) -> None:
     """Runs `fn` now if torch._dynamo is imported, else right after it is."""
-    _on_dynamo.append(fn)
-    if _DYNAMO in sys.modules:
-        _run_dynamo_callbacks()
-    elif not any(isinstance(f, _DynamoImportWatch) for f in sys.meta_path):
-        sys.meta_path.insert(0, _DynamoImportWatch())
+    when_imported(_DYNAMO, fn)
 
 
 def allow_in_graph(fn):
@@ -173,15 +183,9 @@ def assume_constant_result(fn):
 
 
 def guard_cpu_loop_split_at_compile() -> None:
-    """`guard_cpu_loop_split` at the start of every torch.compile, once the compiler is imported."""
-    def register():
-        try:
-            from torch._dynamo.callback import on_compile_start
-        except ImportError:
-            guard_cpu_loop_split()
-            return
-        on_compile_start(lambda *_: guard_cpu_loop_split())
-    when_compiler_imported(register)
+    """`guard_cpu_loop_split` once inductor's C++ code generator is imported. Not a compile-start
+    callback: torch._dynamo.reset() drops those, and a later compile would run unguarded."""
+    when_imported(_CPP_CODEGEN, guard_cpu_loop_split)
 
 
 def guard_cpu_loop_split() -> None:
