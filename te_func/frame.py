@@ -6,7 +6,6 @@ import contextlib
 import difflib
 import threading
 import weakref
-
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +48,7 @@ def _layer_specs(model: nn.Module, recipe, batch_scope: bool = False):
             for path, m in _te_modules(model)]
 
 
-def workspace_spec(model: nn.Module, recipe) -> dict[str, Entry]:
+def workspace_spec(model: nn.Module, recipe: Recipe | None) -> dict[str, Entry]:
     """Every workspace entry `model` needs under `recipe`: key -> Entry(shape, dtype, kind, backward)."""
     _check_recipe(recipe)
     spec = {_prefix(path) + k: e for path, _, s in _layer_specs(model, recipe) for k, e in s.items()}
@@ -57,7 +56,7 @@ def workspace_spec(model: nn.Module, recipe) -> dict[str, Entry]:
     return spec
 
 
-def batch_scope_spec(model: nn.Module, recipe) -> dict[str, Entry]:
+def batch_scope_spec(model: nn.Module, recipe: Recipe | None) -> dict[str, Entry]:
     """The entries (the batch's amaxes) a call in batch scope adds to `model`'s workspaces."""
     _check_recipe(recipe)
     return {_prefix(path) + k: e for path, m in _te_modules(model) for k, e in m.batch_scope_spec(recipe).items()}
@@ -80,7 +79,8 @@ def _device_of(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
-def init_workspaces(model: nn.Module, recipe, *, weight_cache: bool = True) -> dict[str, torch.Tensor]:
+def init_workspaces(model: nn.Module, recipe: Recipe | None, *,
+                    weight_cache: bool = True) -> dict[str, torch.Tensor]:
     """Fresh workspaces for every te_func layer of `model` under `recipe`: a flat dict keyed by
     module path, every entry on its layer's device, the casts made from the current weights.
 
@@ -259,7 +259,7 @@ def _shape_hint(got: tuple, e) -> str:
     return "these workspaces belong to another model or recipe"
 
 
-def validate_workspaces(model, ws, recipe):
+def validate_workspaces(model: nn.Module, ws: dict[str, torch.Tensor], recipe: Recipe | None) -> dict:
     """Check that `ws` holds every entry `model` needs under `recipe` and no other, made for `recipe`;
     raise an error naming what does not fit. Returns {id(module): (path, entry names, those backward
     reads as given)}."""
@@ -404,7 +404,7 @@ def _refuse_second_differentiated_call(model, owners: dict, scopes: list, backwa
 
 
 @contextlib.contextmanager
-def autocast(recipe):
+def autocast(recipe: Recipe | None):
     """Run te_func modules called inside in FP8 per `recipe`, caching nothing (stateless recipes)."""
     _check_recipe(recipe)
     with push(Frame(recipe)):
@@ -523,7 +523,7 @@ def _format1_repr(recipe) -> str:
 _UPGRADABLE = (1, 2)
 
 
-def upgrade_workspaces(old: dict, model: nn.Module, recipe) -> dict:
+def upgrade_workspaces(old: dict, model: nn.Module, recipe: Recipe | None) -> dict:
     """Workspaces of an earlier format, as this version keeps them. Format 1 (te_func 0.1: the
     recipe's repr and `made_by=` entries in key names); format 2 (MXFP8 scales as
     float8_e8m0fnu, now their bytes as uint8). Refused unless `old` was made for `recipe`."""

@@ -18,7 +18,7 @@ from .functional._gemm import GemmStep
 from .nn import TEModule
 from .nn.frozen import FROZEN_LAYERS, FrozenLayer
 from .quant import DelayedState, Quantized, lower
-from .recipe import describe
+from .recipe import Recipe, describe
 from .shell import Stateful
 
 __all__ = ["freeze", "frozen_layers"]
@@ -79,7 +79,7 @@ def _frozen(path: str, source: TEModule, skeleton: nn.Module, recipe, ws: dict |
     return FROZEN_LAYERS[type(source)](skeleton, recipe, casts, scales, weight_only_tokens, meta)
 
 
-def freeze(model: nn.Module, recipe, *, workspaces: dict | None = None, device=None,
+def freeze(model: nn.Module, recipe: Recipe | None, *, workspaces: dict | None = None, device=None,
            weight_only_tokens: int = 0) -> nn.Module:
     """An inference copy of `model` holding each GEMM weight as its FP8 forward cast only.
 

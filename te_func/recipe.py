@@ -96,9 +96,10 @@ def recipe_of(fp: int):
 
 def difference(made_for, given) -> str:
     """What differs between two recipes, briefly: their classes, or the fields whose values differ."""
-    if type(made_for) is not type(given):
+    fields = [] if type(made_for) is not type(given) else \
+        [f.name for f in dataclasses.fields(given) if getattr(made_for, f.name) != getattr(given, f.name)]
+    if not fields:      # other classes (or defaults an environment variable changed)
         return f"made for {describe(made_for)}, run with {describe(given)}"
-    fields = [f.name for f in dataclasses.fields(given) if getattr(made_for, f.name) != getattr(given, f.name)]
     return f"{type(given).__name__} with " + ", ".join(
         f"{k}={getattr(made_for, k)!r} (made for) vs {getattr(given, k)!r} (given)" for k in fields)
 

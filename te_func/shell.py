@@ -19,7 +19,7 @@ from .nn import TEModule
 from .nn.frozen import FrozenLayer
 from .ops import on_backward
 from .quant.workspace import RECIPE_KEY
-from .recipe import describe
+from .recipe import Recipe, describe
 
 __all__ = ["Stateful"]
 
@@ -85,7 +85,7 @@ class Stateful(nn.Module):
     amax_group: the ranks DelayedScaling(reduce_amax=True) all-reduces over (None: the default group).
     weight_cache=False keeps no weight casts between calls (is_first_microbatch=None only)."""
 
-    def __init__(self, model: nn.Module, recipe, *, amax_group=None, weight_cache: bool = True):
+    def __init__(self, model: nn.Module, recipe: Recipe | None, *, amax_group=None, weight_cache: bool = True):
         super().__init__()
         if any(isinstance(m, FrozenLayer) for m in model.modules()):
             raise FrozenModelError(f"tef.Stateful: {type(model).__name__} is frozen (tef.freeze): it holds FP8 "
