@@ -344,7 +344,7 @@ def call_watched(model: nn.Module, params, ws: dict, args=(), kwargs=None, *, re
         batch_spec = batch_scope_spec(model, recipe)
         spec = {**spec, **{k: e for k, e in batch_spec.items() if k in ws}}
         backward = [k for k, e in spec.items() if e.backward]
-        _refuse_second_differentiated_call(model, owners, scopes, backward)
+        _refuse_second_differentiated_call(model, ws, owners, scopes, backward)
         for scope in scopes:
             scope.spec.update(spec)
             scope.batch_spec.update(batch_spec)
@@ -384,22 +384,26 @@ def _tensor_names(model: nn.Module) -> set[str]:
                            *model.named_buffers(remove_duplicate=False))}
 
 
-def _refuse_second_differentiated_call(model, owners: dict, scopes: list, backward: list) -> None:
-    """Refuses a layer with grad histories in a second functional_call inside one tef.grad."""
+def _refuse_second_differentiated_call(model, ws: dict, owners: dict, scopes: list, backward: list) -> None:
+    """Refuses a layer with grad histories run twice inside one tef.grad on the same history tensors:
+    autograd would add the two backward amaxes. Workspaces threaded from one call to the next are
+    taken: the later call records its amax into the history it returns (ops/boundary.py), tef.grad
+    merges the earlier one's into it by max, TE's rule for a GEMM run twice in a step."""
     keys = set(backward)
-    layers = {i: path for i, (path, names, _) in owners.items() if any(_prefix(path) + n in keys for n in names)}
+    layers = {i: (path, tuple(ws.get(_prefix(path) + n) for n in names if _prefix(path) + n in keys))
+              for i, (path, names, _) in owners.items() if any(_prefix(path) + n in keys for n in names)}
     for scope in scopes:
         if scope.differentiated is None:
             continue
-        again = sorted(path for i, path in layers.items() if i in scope.differentiated)
+        again = sorted(path for i, (path, read) in layers.items() if i in scope.differentiated
+                       and any(a is b for a, b in zip(read, scope.differentiated[i][1])))
         if again:
             layer = type(model.get_submodule(again[0])).__name__
             raise TransformError(
-                f"{layer} at {again[0] or '(root)'!r} ran in two tef.functional_calls inside one "
-                f"tef.grad under DelayedScaling: autograd would lose the second call's backward amax (workspaces "
-                f"the first returned) or add it to the first's (the same workspaces), where TE keeps their max. Take "
-                f"tef.grad of one call per microbatch and pass new_ws from one to the next, or use tef.Stateful, "
-                f"which records every call's backward amax", layer=again[0])
+                f"{layer} at {again[0] or '(root)'!r} ran twice inside one tef.grad under DelayedScaling on the "
+                f"same workspaces: autograd would add the two backward amaxes, where TE keeps their max. Pass the "
+                f"new_ws the first call returned to the second, take tef.grad of one call per microbatch, or use "
+                f"tef.Stateful", layer=again[0])
         scope.differentiated.update(layers)
 
 

@@ -234,6 +234,50 @@ def test_maml_with_an_inner_tef_grad_loop_and_outer_backward(recipe):
     assert_close(metas[recipe], metas[None], recipe, "meta-gradient")
 
 
+@pytest.mark.parametrize("vmapped", [False, True], ids=["loop", "vmap"])
+def test_maml_outer_step_through_tef_value_and_grad_under_delayed_scaling(vmapped):
+    """MAML's outer step as one tef.value_and_grad: per task an inner tef.grad step, then a second
+    functional_call of the adapted weights on the workspaces the inner step returned (over tasks
+    by a loop, or by vmap). The layers run twice inside the outer grad, chained: the meta-gradient
+    matches high precision's and the outer step records the query calls' backward amaxes; the loop
+    equals the same step taken with loss.backward()."""
+    recipe = DelayedScaling(amax_history_len=4)
+    model = converted_mlp()
+    x_spt, y_spt, x_qry, y_qry = _maml_tasks()
+    metas, histories = {}, {}
+    for r in (None, recipe):
+        def loss_fn(p, ws, x, y, r=r):
+            out, new_ws = tef.functional_call(model, p, ws, (x,), recipe=r)
+            return (out - y).square().mean(), new_ws
+
+        def task(p, ws, xs, ys, xq, yq, loss_fn=loss_fn):
+            g, ws = tef.grad(loss_fn)(p, ws, xs, ys)
+            return loss_fn({k: p[k] - 0.5 * g[k] for k in p}, ws, xq, yq)
+
+        def meta(p, ws, task=task):
+            if vmapped:
+                losses, ws = vmap(task, in_dims=(None, None, 0, 0, 0, 0))(p, ws, x_spt, y_spt, x_qry, y_qry)
+                return losses.mean(), ws
+            total = 0
+            for t in range(x_spt.shape[0]):
+                loss, ws = task(p, ws, x_spt[t], y_spt[t], x_qry[t], y_qry[t])
+                total = total + loss
+            return total / x_spt.shape[0], ws
+        ws = tef.init_workspaces(model, r)
+        _, grads, new_ws = tef.value_and_grad(meta)(detached_params(model), ws)
+        metas[r] = torch.cat([grads[k].flatten() for k in sorted(grads)])
+        histories[r] = new_ws
+        if r is not None and not vmapped:
+            live = {k: v.clone().requires_grad_() for k, v in detached_params(model).items()}
+            loss, back_ws = meta(live, ws)
+            loss.backward()
+            torch.testing.assert_close(torch.cat([live[k].grad.flatten() for k in sorted(live)]), metas[r])
+            for k, v in new_ws.items():
+                torch.testing.assert_close(back_ws[k], v, rtol=0, atol=0, msg=k)
+    assert_close(metas[recipe], metas[None], recipe, "meta-gradient")
+    assert (histories[recipe]["3.grad_amax_history"][..., 0] > 0).all()
+
+
 # --- plain autograd ---------------------------------------------------------------------------
 
 def test_a_gradient_penalty_in_plain_autograd_asks_for_higher_order_and_then_matches_torch_func():

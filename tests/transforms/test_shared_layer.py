@@ -76,15 +76,22 @@ def _two_calls_in_one_grad(recipe, chained: bool):
     return tef.grad(loss_fn)(params, ws)
 
 
-@pytest.mark.parametrize("chained", [True, False], ids=["chained", "same-workspaces"])
-def test_a_layer_in_two_calls_inside_one_grad_under_delayed_scaling_is_refused(chained):
-    """Two functional_calls of one model inside one tef.grad: the second call's backward amax
-    (3, against the first's 1) would be lost (chained) or added to the first (same workspaces)
-    where TE keeps their max. Refused, naming the layer and the fix; a stateless recipe runs."""
-    with pytest.raises(tef.errors.TransformError, match=r"Linear at '0' ran in two tef.functional_calls inside one tef.grad "
-                                           r"under DelayedScaling.*one call per microbatch"):
-        _two_calls_in_one_grad(DelayedScaling(amax_history_len=4), chained)
-    grads, _ = _two_calls_in_one_grad(Float8CurrentScaling(), chained)
+def test_a_layer_in_two_chained_calls_inside_one_grad_records_the_larger_backward_amax():
+    """Two functional_calls of one model inside one tef.grad, the second given the workspaces the
+    first returned: both backward amaxes (1 and 3) land in the current slot by max, as TE's and
+    Stateful's do, and the input history holds both steps."""
+    grads, ws = _two_calls_in_one_grad(DelayedScaling(amax_history_len=4), chained=True)
+    assert torch.equal(ws["0.grad_amax_history"], torch.tensor([3.0, 0.0, 0.0, 0.0])), ws["0.grad_amax_history"]
+    assert (ws["0.input_amax_history"][[0, 3]] > 0).all() and grads["0.weight"].norm() > 0
+
+
+def test_a_layer_run_twice_on_the_same_workspaces_inside_one_grad_is_refused():
+    """The same history read by two calls would get the sum of their backward amaxes: refused under
+    DelayedScaling, naming the layer and the fix; a stateless recipe runs."""
+    with pytest.raises(tef.errors.TransformError, match=r"Linear at '0' ran twice inside one tef.grad under "
+                                                        r"DelayedScaling on the same workspaces.*new_ws"):
+        _two_calls_in_one_grad(DelayedScaling(amax_history_len=4), chained=False)
+    grads, _ = _two_calls_in_one_grad(Float8CurrentScaling(), chained=False)
     assert grads["0.weight"].norm() > 0
 
 
