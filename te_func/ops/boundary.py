@@ -33,6 +33,8 @@ class GradContext:
     """What backward knows about the forward's inputs, by name."""
     need: dict          # name -> whether its gradient is wanted
     dtype: dict         # name -> its dtype (absent for None inputs)
+    # The backward of an outer reverse level (reverse-over-reverse): its cotangents are second-order.
+    second_order: bool = False
 
     def cast(self, name: str, grad: torch.Tensor | None) -> torch.Tensor | None:
         """`grad` in the dtype of input `name`, or None where that gradient is not wanted."""
@@ -48,6 +50,7 @@ class _Boundary(torch.autograd.Function):
         # The op's math is exact by design: torch.autocast must not round it to bf16 behind its back.
         with _no_autocast(values):
             out = op.forward(dict(zip(names, values)))
+        _mode.nodes = []        # this call's nodes, one per transform level, set up next (`_mark_outer`)
         # Plain loops, not set algebra on dict views: torch 2.11's dynamo cannot trace the latter.
         unknown = [k for k in out if k not in op.outputs]
         if unknown:
@@ -79,6 +82,7 @@ class _Boundary(torch.autograd.Function):
         # Sizes are inputs, not static config: a new MoE group size is not a new graph.
         ctx.sizes = {k: v for k, v in zip(names, values) if isinstance(v, (int, torch.SymInt))}
         ctx.op, ctx.names = op, names
+        _mark_outer(ctx)
         # On ctx, not saved (saved tensors are version-checked): where nothing differentiates a
         # carried input, backward records its new value into the output itself (`_record_carried`).
         # Detached aliases: the outputs themselves would hold this node, a cycle gc cannot free.
@@ -106,7 +110,8 @@ class _Boundary(torch.autograd.Function):
         # The FP8 backward on detached tensors: a graph of it would keep every temporary alive.
         # Its derivatives, where a transform outside can ask for them, come from the linearization.
         with torch.no_grad(), _no_autocast(grads):
-            input_grads = op.backward(_detached(saved), _detached(out_grads), GradContext(need, ctx.dtypes))
+            input_grads = op.backward(_detached(saved), _detached(out_grads),
+                                      GradContext(need, ctx.dtypes, ctx.second_order))
         unknown = [k for k in input_grads if k not in need]
         if unknown:
             raise RuntimeError(f"{type(op).__name__}.backward returned gradients of {sorted(unknown)}, "
@@ -239,6 +244,21 @@ def _linearized_grads(op, saved: dict, out_grads: dict, input_grads: dict, need:
                   for k, v in outputs.items()})
     return {**input_grads, **{k: input_grads[k] + (g - g.detach()).to(input_grads[k].dtype)
                               for k, g in zip(wanted, linear)}}
+
+
+def _mark_outer(ctx) -> None:
+    """One forward sets up a node per transform level, outermost first. A node under fewer grad
+    levels than a later one of the same forward is an outer reverse level's: its backward's
+    cotangents are derivatives of the inner backward (a gradient penalty, MAML's outer step)."""
+    ctx.grad_depth = _compat.transform_levels().count("grad")
+    ctx.second_order = False
+    nodes = getattr(_mode, "nodes", None)
+    if nodes is None:
+        return
+    for earlier in nodes:
+        if earlier.grad_depth < ctx.grad_depth:
+            earlier.second_order = True
+    nodes.append(ctx)
 
 
 def _record_carried(ctx, input_grads: dict, need: dict) -> dict:

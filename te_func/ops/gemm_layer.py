@@ -254,6 +254,13 @@ class GemmSlot:
                                f"saving that GEMM's input ({self.weight}.requires_grad was False then)")
         if cfg.backward_override is not None:
             return GradCasts(need_dx, need_dw, grad_out=grad_out)
+        if cfg.grad.rule == "delayed" and ctx.second_order:
+            # Second-order cotangents have no history of their own and differ in size from the
+            # gradients the history scales: scaled from their own amax, recorded nowhere.
+            cfg = replace(cfg, grad=replace(cfg.grad, rule="current", margin=0))
+            if not (need_dx or need_dw):
+                return GradCasts(need_dx, need_dw)
+            return GradCasts(need_dx, need_dw, *quantize_grad(grad_out, cfg, need_dw, None, amax))
         if cfg.grad.stochastic_rounding:
             g_state = s[n("g_rng")]
         else:
