@@ -159,7 +159,8 @@ def test_convert_returns_a_converted_root_and_warns_once_about_what_it_left(capl
 
 
 @pytest.mark.parametrize("made, given, says", [
-    (Float8CurrentScaling(), RECIPE, r"made for Float8CurrentScaling\(\), run with DelayedScaling\(amax_history_len=4\)"),
+    (Float8CurrentScaling(), RECIPE,
+     r"made for Float8CurrentScaling\(\), run with DelayedScaling\(amax_history_len=4\)"),
     (RECIPE, None, r"made for DelayedScaling\(amax_history_len=4\), run with None"),
     (RECIPE, DelayedScaling(amax_history_len=8), r"amax_history_len=4 \(made for\) vs 8 \(given\)"),
     (MXFP8BlockScaling(), Float8CurrentScaling(), r"made for MXFP8BlockScaling\(\), run with Float8CurrentScaling"),
