@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -255,10 +256,11 @@ def _mark_outer(ctx) -> None:
     nodes = getattr(_mode, "nodes", None)
     if nodes is None:
         return
-    for earlier in nodes:
-        if earlier.grad_depth < ctx.grad_depth:
+    for ref in nodes:
+        earlier = ref()
+        if earlier is not None and earlier.grad_depth < ctx.grad_depth:
             earlier.second_order = True
-    nodes.append(ctx)
+    nodes.append(weakref.ref(ctx))      # weak: the last call's nodes would outlive its graph
 
 
 def _record_carried(ctx, input_grads: dict, need: dict) -> dict:

@@ -17,7 +17,7 @@ import te_func as tef
 from te_func import errors
 from te_func.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
-from cases import detached_params
+from cases import VOCAB, detached_params, tiny_gpt2, tiny_llama
 
 RECIPE = DelayedScaling(amax_history_len=4)
 
@@ -68,6 +68,31 @@ def test_plain_torch_func_grad_and_backward_record_what_tef_grad_records():
         torch.testing.assert_close(back_ws[k], want_ws[k], rtol=0, atol=0)
     for k, v in before.items():
         assert torch.equal(ws[k], v), k
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2], ids=["HF-Llama", "HF-GPT2"])
+def test_a_converted_hf_model_differentiated_by_torch_func_records_as_tef_grad_does(make):
+    """The same on a converted transformers model, its labels' loss differentiated by plain
+    torch.func.grad and by .backward(): every layer's grad history as tef.grad leaves it."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tef.convert(make(layers=1))
+    ids = torch.randint(0, VOCAB, (2, 8))
+    params, ws = detached_params(model), tef.init_workspaces(model, RECIPE)
+
+    def f(p, w):
+        out, new_ws = tef.functional_call(model, p, w, (), {"input_ids": ids, "labels": ids}, recipe=RECIPE)
+        return out.loss, new_ws
+    _, want = tef.grad(f)(params, ws)
+    _, by_torch = grad(f, has_aux=True)(params, ws)
+    live = {k: v.clone().requires_grad_() for k, v in params.items()}
+    loss, by_backward = f(live, ws)
+    loss.backward()
+    histories = [k for k in want if k.endswith("grad_amax_history")]
+    assert histories and all(want[k][0] > 0 for k in histories)
+    for k in histories:
+        torch.testing.assert_close(by_torch[k], want[k], rtol=0, atol=0, msg=k)
+        torch.testing.assert_close(by_backward[k], want[k], rtol=0, atol=0, msg=k)
 
 
 def test_jacrev_over_inputs_records_the_max_of_its_rows_backward_amaxes():
