@@ -132,7 +132,7 @@ class _ImportWatch(importlib.abc.MetaPathFinder):
     """Runs a module's `_on_import` callbacks right after the module has executed."""
 
     def find_spec(self, name, path=None, target=None):
-        if name not in _on_import:
+        if not _on_import.get(name):        # nothing (left) to run for it
             return None
         sys.meta_path.remove(self)
         try:
