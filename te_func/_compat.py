@@ -114,6 +114,14 @@ def requires_grad(t: torch.Tensor) -> bool:
         t = _functorch.get_unwrapped(t)
 
 
+def forward_over_forward() -> bool:
+    """Whether a torch.func forward-mode level (jvp, jacfwd) runs inside another, eagerly. torch
+    2.13 gets such second derivatives wrong, with no error, through a Function's jvp rule
+    (pytorch/pytorch#197867) and through F.layer_norm (#198017): te_func avoids both there."""
+    return (not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active()
+            and transform_levels().count("jvp") >= 2)
+
+
 def forward_ad_active() -> bool:
     """Whether plain autograd's forward mode (torch.autograd.forward_ad.dual_level) is on."""
     return torch.autograd.forward_ad._current_level >= 0

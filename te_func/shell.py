@@ -59,12 +59,35 @@ def _after_load(shell: Stateful, incompatible_keys):
         incompatible_keys.missing_keys.extend(prefix + _WS + k for k in shell.workspaces)
 
 
+def _merge_before_saving(shell: Stateful, prefix, keep_vars):
+    shell.workspaces        # noqa: B018  # the read merges what a compiled backward left pending
+
+
+def _take_tensordict_entries(shell: Stateful, state_dict, prefix, *_):
+    # tensordict's to_module(use_state_dict=True) hands its flattened state to the load pre-hooks,
+    # then sets what it holds by module path, splitting keys at their dots: a workspace key has
+    # dots of its own and names no module. The shell takes its entries here, as load_state_dict.
+    if not hasattr(state_dict, "unflatten_keys"):       # a plain state_dict: _load_from_state_dict
+        return
+    p = prefix + _WS
+    ours = [k for k in state_dict.keys() if isinstance(k, str) and k.startswith(p)]
+    if not ours:
+        return
+    device = next(shell.model.parameters(), torch.empty(0)).device
+    shell.workspaces = {k[len(p):]: state_dict[k].to(device) for k in ours}
+    for k in ours:
+        del state_dict[k]
+
+
 class _WorkspaceBuffers(nn.Module):
     """The shell's workspaces as buffers, where tools look (named_buffers, tensordict): its buffer
-    dict is the shell's workspace dict. The shell saves, loads and moves them, this module not."""
+    dict is the shell's workspace dict. It saves them (under `workspaces.`, where tensordict's
+    from_module(use_state_dict=True) reads them too); the shell loads and moves them."""
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        pass
+        # The shell's state_dict pre-hook has merged any pending amaxes into them.
+        for k, v in self._buffers.items():
+            destination[prefix + k] = v if keep_vars else v.detach()
 
     def _load_from_state_dict(self, *args, **kwargs):
         pass
@@ -104,6 +127,8 @@ class Stateful(nn.Module):
         self._modules["workspaces"] = _WorkspaceBuffers()
         self._set_workspaces(init_workspaces(model, recipe, weight_cache=weight_cache))
         self.register_load_state_dict_post_hook(_after_load)
+        self._register_load_state_dict_pre_hook(_take_tensordict_entries, with_module=True)
+        self.register_state_dict_pre_hook(_merge_before_saving)
         self._show_model_signature()
 
     # --- workspaces, sinks and inboxes --------------------------------------------------------
@@ -258,11 +283,6 @@ class Stateful(nn.Module):
         return out
 
     # --- modules around it: state_dict, copies, devices ---------------------------------------
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        for k, v in self.workspaces.items():
-            destination[prefix + _WS + k] = v if keep_vars else v.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

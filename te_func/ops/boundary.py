@@ -12,7 +12,9 @@ An op is a frozen dataclass holding its static configuration (a constant for tor
 
 One Function class, called by name: torch.func takes a Function only in the setup_context form;
 `torch.compile(torch.func.grad(f))` would differentiate an inlined Function's forward (torch
-2.13) unless it is called through `allow_in_graph`; and the names travel as a static tuple."""
+2.13) unless it is called through `allow_in_graph`; and the names travel as one static string
+(a tuple would be a pytree of many leaves to the generated vmap rule, whose forward-mode path
+then pairs the inputs' batch dims with one tangent per argument: jacfwd(jacfwd) broke)."""
 from __future__ import annotations
 
 import contextlib
@@ -47,7 +49,8 @@ class _Boundary(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(op, names, *values):
+    def forward(op, joined, *values):
+        names = joined.split(" ")
         # The op's math is exact by design: torch.autocast must not round it to bf16 behind its back.
         with _no_autocast(values):
             out = op.forward(dict(zip(names, values)))
@@ -64,7 +67,8 @@ class _Boundary(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        op, names, *values = inputs
+        op, joined, *values = inputs
+        names = tuple(joined.split(" "))
         outputs = dict(zip(op.outputs, output))
         # Carried state stays "differentiable" to keep this node as its grad_fn (on_backward).
         keep = set(op.differentiable) | set(op.carried)
@@ -72,11 +76,15 @@ class _Boundary(torch.autograd.Function):
         named = {**dict(zip(names, values)), **outputs}
         # What backward reads, and the linearization's inputs where backward's derivative may be asked for.
         ctx.plain, ctx.higher = backward_differentiable(named.get(k) for k in getattr(op, "primals", ()))
-        extra = tuple(k for k in _linearization_inputs(op) if k not in op.saved) if ctx.higher else ()
+        tangents = _tangents_possible()
+        extra = tuple(k for k in _linearization_inputs(op) if k not in op.saved) if ctx.higher or tangents else ()
         ctx.saved_names = op.saved + extra
-        ctx.save_for_backward(*(named.get(k) for k in ctx.saved_names))
-        if _tangents_possible():
-            ctx.save_for_forward(*(named.get(k) for k in _linearization_inputs(op)))
+        kept = tuple(named.get(k) for k in ctx.saved_names)
+        ctx.save_for_backward(*kept)
+        if tangents:
+            # The same tensors both ways: torch's generated vmap rule keeps one set of batch dims
+            # for what a Function saves, the last call's (torch 2.13), and pairs it with either.
+            ctx.save_for_forward(*kept)
             # torch takes no None tangent for a float output it differentiates (2.13): zeros.
             ctx.zero_tangents = {k: (t.shape, t.dtype, t.device) for k, t in outputs.items()
                                  if k in keep and t is not None and t.is_floating_point()}
@@ -127,7 +135,8 @@ class _Boundary(torch.autograd.Function):
         # Forward mode: the linearization's tangents at the forward's operands; state gets none.
         op = ctx.op
         _require_linearization(op)
-        primals = dict(zip(op.linearization_inputs, ctx.saved_tensors))
+        saved = dict(zip(ctx.saved_names, ctx.saved_tensors))
+        primals = {k: saved.get(k) for k in op.linearization_inputs}
         given = {k: t for k, t in zip(ctx.names, tangents) if k in op.primals and t is not None
                  and primals.get(k) is not None}
         out_tangents = {}
@@ -314,13 +323,27 @@ def _no_autocast(values):
 
 
 @_compat.allow_in_graph
-def _apply(op, names, *values):
-    return _Boundary.apply(op, names, *values)
+def _apply(op, joined, *values):
+    return _Boundary.apply(op, joined, *values)
 
 
 def call(op, **tensors) -> dict:
     """Run `op` on `tensors` (name -> tensor or None); returns its outputs by name."""
-    return dict(zip(op.outputs, _apply(op, tuple(tensors), *tensors.values())))
+    if _compat.forward_over_forward():
+        return _composite(op, tensors)
+    return dict(zip(op.outputs, _apply(op, " ".join(tensors), *tensors.values())))
+
+
+def _composite(op, tensors: dict) -> dict:
+    """`op` without the Function, for forward over forward (torch differentiates a Function's jvp
+    rule wrongly there, `_compat.forward_over_forward`): the FP8 forward's values, with the
+    linearization's derivatives (`value + (v - v.detach())`), differentiated by torch itself."""
+    _require_linearization(op)
+    with _no_autocast(tensors.values()):
+        out = op.forward(_detached(tensors))
+        lin = op.linearized({**tensors, **out})
+    return {k: out.get(k) if k not in lin or out.get(k) is None
+            else out[k] + (lin[k] - lin[k].detach()).to(out[k].dtype) for k in op.outputs}
 
 
 def call_forward(op, **tensors) -> dict:

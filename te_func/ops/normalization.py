@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
+from .. import _compat, kernels
 
 __all__ = ["NormConfig", "norm_forward", "norm_output", "norm_backward", "norm_reference", "NORMALIZATIONS"]
 
@@ -129,11 +129,15 @@ def norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if not cfg.zero_centered_gamma and torch_takes and (bias is None or bias.dtype == weight.dtype):
         if cfg.rms:
             return F.rms_norm(x, shape, weight, cfg.eps)
+        if _compat.forward_over_forward():      # F.layer_norm's second forward derivative is wrong there
+            return norm_forward(x, weight, bias, cfg)[0].to(x.dtype)
         return F.layer_norm(x, shape, weight, bias, cfg.eps)
     ct = _compute_dtype(x)
     gamma = _gamma(weight, cfg, ct)
     if cfg.rms:
         y = F.rms_norm(x.to(ct), shape, gamma, cfg.eps)
+    elif _compat.forward_over_forward():
+        y = norm_forward(x.to(ct), weight, bias, cfg)[0]
     else:
         y = F.layer_norm(x.to(ct), shape, gamma, None if bias is None else bias.to(ct), cfg.eps)
     return y.to(x.dtype)

@@ -59,9 +59,12 @@ def test_from_module_holds_the_workspaces_under_their_state_dict_keys(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_to_module_copies_weights_and_workspaces_so_the_copy_steps_as_the_source(recipe):
+@pytest.mark.parametrize("from_state_dict,to_state_dict", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["modules", "from-state-dict", "to-state-dict", "state-dicts"])
+def test_to_module_copies_weights_and_workspaces_so_the_copy_steps_as_the_source(recipe, from_state_dict,
+                                                                                  to_state_dict):
     source, target = trained(recipe), tef.Stateful(mlp(), recipe)
-    TensorDict.from_module(source).to_module(target)
+    TensorDict.from_module(source, use_state_dict=from_state_dict).to_module(target, use_state_dict=to_state_dict)
     assert state(target).keys() == state(source).keys()
     assert all(torch.equal(v, state(source)[k]) for k, v in state(target).items())
     x = torch.randn(8, 32)
