@@ -59,8 +59,23 @@ class Scheme:
         return (-(-rows // self.block[0]), -(-cols // self.block[1]))
 
 
+# Made once per (recipe, role): recipes are frozen and hashable, and a trace under torch.compile
+# then reads a Scheme where it would interpret its construction at every GEMM.
+_SCHEMES: dict = {}
+
+
 def scheme_for(recipe, role: str) -> Scheme:
     """The Scheme `recipe` uses for tensors of `role` ("input", "weight" or "grad")."""
+    try:
+        scheme = _SCHEMES.get((recipe, role))
+    except TypeError:       # unhashable: not a recipe, which _make_scheme says
+        return _make_scheme(recipe, role)
+    if scheme is None:
+        scheme = _SCHEMES[(recipe, role)] = _make_scheme(recipe, role)
+    return scheme
+
+
+def _make_scheme(recipe, role: str) -> Scheme:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if isinstance(recipe, NVFP4BlockScaling):
