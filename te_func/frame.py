@@ -42,16 +42,11 @@ def _prefix(path: str) -> str:
     return f"{path}." if path else ""
 
 
-def _layer_specs(model: nn.Module, recipe, batch_scope: bool = False):
-    """(path, module, {op-local name: Entry}) of every te_func layer, with batch_scope's too."""
-    return [(path, m, {**m.workspace_spec(recipe), **(m.batch_scope_spec(recipe) if batch_scope else {})})
-            for path, m in _te_modules(model)]
-
-
 def workspace_spec(model: nn.Module, recipe: Recipe | None) -> dict[str, Entry]:
     """Every workspace entry `model` needs under `recipe`: key -> Entry(shape, dtype, kind, backward)."""
     _check_recipe(recipe)
-    spec = {_prefix(path) + k: e for path, _, s in _layer_specs(model, recipe) for k, e in s.items()}
+    # Without the batch-scope entries (batch amaxes), with the weight casts.
+    spec = {k: e for path, m in _te_modules(model) for k, e in m.entries_at(recipe, path, (True, False))[2]}
     spec[RECIPE_KEY] = RECIPE_ENTRY
     return spec
 
@@ -96,6 +91,10 @@ def init_workspaces(model: nn.Module, recipe: Recipe | None, *,
         # FSDP-sharded weights are cast whole, as one process casts them (collective: every rank calls this).
         weights = distributed.cast_sources(path, m, units) if weight_cache else None
         ws.update({_prefix(path) + k: v for k, v in m.init_workspace(recipe, weights, path, weight_cache).items()})
+        # What each call validates these workspaces against, made now: a torch.compile trace then reads it.
+        m.entries_at(recipe, path, (True, not weight_cache))
+        m.entries_at(recipe, path, (False, False))
+        m.keys_of_kind(recipe, path, "batch_amax"), m.keys_of_kind(recipe, path, "cast")
     ws[RECIPE_KEY] = fingerprint_entry(recipe, _device_of(model))
     ws = outside_inference_mode(ws)     # made in an evaluation block, used for training after it
     mark_static(ws.values())
@@ -206,22 +205,22 @@ def _entry_problems(model, ws, recipe, owners: dict, dropped: set):
     """Yields a WorkspaceError for each entry of `ws` that does not fit `model` under `recipe`; fills
     `owners` (as validate_workspaces returns it) and `dropped` (the kinds `ws` holds none of)."""
     expected = {RECIPE_KEY}
-    layers = _layer_specs(model, recipe, batch_scope=True)
+    layers = _te_modules(model)
     # Batch-scope entries come all or none; so do weight casts (none: weight_cache=False).
     for kind in ("batch_amax", "cast"):
-        keys = [_prefix(path) + k for path, _, spec in layers for k, e in spec.items() if e.kind == kind]
+        keys = [k for path, m in layers for k in m.keys_of_kind(recipe, path, kind)]
         if keys and not any(k in ws for k in keys):
             dropped.add(kind)
     if "cast" in dropped and any(is_cast_key(k) for k in ws):    # casts, of another model's layers
         dropped.remove("cast")
-    for path, m, spec in layers:
-        spec = {k: e for k, e in spec.items() if e.kind not in dropped}
+    without = ("batch_amax" in dropped, "cast" in dropped)
+    for path, m in layers:
         # What a call's backward reads as the call was given it: grad histories, random streams.
-        owners[id(m)] = (path, tuple(spec), tuple(k for k, e in spec.items() if e.backward or e.stream))
+        names, reads, entries = m.entries_at(recipe, path, without)
+        owners[id(m)] = (path, names, reads)
         # A model on "meta" (a vmapped ensemble's base) says nothing about devices.
         device = next((p.device for p in m.parameters() if p.device.type != "meta"), None)
-        for name, e in spec.items():
-            entry = _prefix(path) + name
+        for entry, e in entries:
             expected.add(entry)
             t = ws.get(entry)
             if t is None and e.kind == "batch_amax":

@@ -22,14 +22,50 @@ class TEModule(nn.Module):
         return getattr(self, name) if value is None else value
 
     def workspace_spec(self, recipe) -> dict[str, Entry]:
-        """Entry name -> Entry (shape, dtype, updated in backward) of every entry this layer needs."""
-        lowering = lower(recipe)
-        return {k: e for g in self.gemms() for k, e in lowering.entries(g, self.gemm_weight(g.weight).shape).items()}
+        """Entry name -> Entry (shape, dtype, updated in backward) of every entry this layer needs.
+        Shared and cached: a caller copies it before changing it."""
+        gemms = self.gemms()
+        shapes = tuple(tuple(self.gemm_weight(g.weight).shape) for g in gemms)
+        return self._spec(("workspace", recipe, gemms, shapes), lambda lowering: {
+            k: e for g, shape in zip(gemms, shapes) for k, e in lowering.entries(g, shape).items()})
 
     def batch_scope_spec(self, recipe) -> dict[str, Entry]:
-        """The entries a call in batch scope adds (te_func.quant.workspace's batch amaxes)."""
-        lowering = lower(recipe)
-        return {k: e for g in self.gemms() for k, e in lowering.batch_entries(g).items()}
+        """The entries a call in batch scope adds (te_func.quant.workspace's batch amaxes); cached too."""
+        gemms = self.gemms()
+        return self._spec(("batch", recipe, gemms), lambda lowering: {
+            k: e for g in gemms for k, e in lowering.batch_entries(g).items()})
+
+    def entries_at(self, recipe, path: str, dropped: tuple[bool, bool]) -> tuple:
+        """What a call's validation walks for this layer at `path` (batch-scope entries included,
+        without batch amaxes / weight casts where `dropped` says so): (entry names, the names a call's
+        backward reads (grad histories, random streams), ((full key, Entry), ...)). Cached."""
+        gemms = self.gemms()
+        shapes = tuple(tuple(self.gemm_weight(g.weight).shape) for g in gemms)
+
+        def make(_):
+            spec = {**self.workspace_spec(recipe), **self.batch_scope_spec(recipe)}
+            spec = {k: e for k, e in spec.items()
+                    if not (dropped[0] and e.kind == "batch_amax" or dropped[1] and e.kind == "cast")}
+            prefix = f"{path}." if path else ""
+            return (tuple(spec), tuple(k for k, e in spec.items() if e.backward or e.stream),
+                    tuple((prefix + k, e) for k, e in spec.items()))
+        return self._spec(("at", recipe, gemms, shapes, path, dropped), make)
+
+    def keys_of_kind(self, recipe, path: str, kind: str) -> tuple[str, ...]:
+        """The full keys of this layer's entries (batch scope's included) of `kind`. Cached."""
+        gemms = self.gemms()
+        shapes = tuple(tuple(self.gemm_weight(g.weight).shape) for g in gemms)
+        return self._spec(("kind", recipe, gemms, shapes, path, kind), lambda _: tuple(
+            k for k, e in self.entries_at(recipe, path, (False, False))[2] if e.kind == kind))
+
+    def _spec(self, key: tuple, make):
+        # Every call validates its workspaces against the spec: made once per recipe, GEMMs and
+        # weight shapes (a torch.compile trace reads it where it interpreted ~90 Entry constructions).
+        cache = self.__dict__.setdefault("_te_func_specs", {})
+        spec = cache.get(key)
+        if spec is None:
+            spec = cache[key] = make(lower(key[1]))
+        return spec
 
     def init_workspace(self, recipe, weights: dict | None = None, path: str = "",
                        weight_cache: bool = True) -> dict[str, torch.Tensor]:
