@@ -88,9 +88,13 @@ def _applies(x: torch.Tensor) -> bool:
     return _on_kernel_device(x)
 
 
+# Read at import, as the kernels' modules read it (a call read the environment each time).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _on_kernel_device(x: torch.Tensor) -> bool:
     """x is where the kernels run: an FP8-capable CUDA device, or under Triton's interpreter not meta."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _INTERPRET:
         return x.device.type != "meta"
     return fp8_capable(x.device)
 

@@ -56,14 +56,15 @@ class _Boundary(torch.autograd.Function):
             out = op.forward(dict(zip(names, values)))
         _mode.nodes = []        # this call's nodes, one per transform level, set up next (`_mark_outer`)
         # Plain loops, not set algebra on dict views: torch 2.11's dynamo cannot trace the latter.
-        unknown = [k for k in out if k not in op.outputs]
+        names_out = op.outputs      # a property built on each read: read once
+        unknown = [k for k in out if k not in names_out]
         if unknown:
             raise RuntimeError(f"{type(op).__name__}.forward returned {sorted(unknown)}, not among its outputs")
         if _tangents_possible():
             # Forward mode gives a view its base's tangent; an integer base holds none: copies.
             out = {k: v.clone() if isinstance(v, torch.Tensor) and v._base is not None
                    and not v._base.is_floating_point() else v for k, v in out.items()}
-        return tuple(out.get(k) for k in op.outputs)
+        return tuple(out.get(k) for k in names_out)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -77,8 +78,9 @@ class _Boundary(torch.autograd.Function):
         # What backward reads, and the linearization's inputs where backward's derivative may be asked for.
         ctx.plain, ctx.higher = backward_differentiable(named.get(k) for k in getattr(op, "primals", ()))
         tangents = _tangents_possible()
-        extra = tuple(k for k in _linearization_inputs(op) if k not in op.saved) if ctx.higher or tangents else ()
-        ctx.saved_names = op.saved + extra
+        saved = op.saved
+        extra = tuple(k for k in _linearization_inputs(op) if k not in saved) if ctx.higher or tangents else ()
+        ctx.saved_names = saved + extra
         kept = tuple(named.get(k) for k in ctx.saved_names)
         ctx.save_for_backward(*kept)
         if tangents:

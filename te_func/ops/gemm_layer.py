@@ -148,12 +148,17 @@ class GemmSlot:
     cfg: GemmConfig
     gemm: Gemm
 
+    def __post_init__(self):
+        # Every tensor name of the slot carries this prefix: formed once, not at each of ~75 names a
+        # call. Not a field: torch.compile rebuilds a constant GemmSlot from its fields alone.
+        object.__setattr__(self, "_prefix", self.gemm.slot)
+
     @property
     def weight(self) -> str:
         return self.gemm.weight
 
     def _n(self, name: str) -> str:
-        return self.gemm.slot + name
+        return self._prefix + name      # type: ignore[attr-defined]  # set in __post_init__
 
     @property
     def input_cast_takes_partials(self) -> bool:
