@@ -46,7 +46,7 @@ def workspace_spec(model: nn.Module, recipe: Recipe | None) -> dict[str, Entry]:
     """Every workspace entry `model` needs under `recipe`: key -> Entry(shape, dtype, kind, backward)."""
     _check_recipe(recipe)
     # Without the batch-scope entries (batch amaxes), with the weight casts.
-    spec = {k: e for path, m in _te_modules(model) for k, e in m.entries_at(recipe, path, (True, False))[2]}
+    spec = {k: e for path, m in _te_modules(model) for k, e in m.entries_at(recipe, path, (True, False)).keyed}
     spec[RECIPE_KEY] = RECIPE_ENTRY
     return spec
 
@@ -92,9 +92,10 @@ def init_workspaces(model: nn.Module, recipe: Recipe | None, *,
         weights = distributed.cast_sources(path, m, units) if weight_cache else None
         ws.update({_prefix(path) + k: v for k, v in m.init_workspace(recipe, weights, path, weight_cache).items()})
         # What each call validates these workspaces against, made now: a torch.compile trace then reads it.
-        m.entries_at(recipe, path, (True, not weight_cache))
-        m.entries_at(recipe, path, (False, False))
-        m.keys_of_kind(recipe, path, "batch_amax"), m.keys_of_kind(recipe, path, "cast")
+        for dropped in ((True, not weight_cache), (False, False)):
+            m.entries_at(recipe, path, dropped)
+        for kind in ("batch_amax", "cast"):
+            m.keys_of_kind(recipe, path, kind)
     ws[RECIPE_KEY] = fingerprint_entry(recipe, _device_of(model))
     ws = outside_inference_mode(ws)     # made in an evaluation block, used for training after it
     mark_static(ws.values())
@@ -216,11 +217,11 @@ def _entry_problems(model, ws, recipe, owners: dict, dropped: set):
     without = ("batch_amax" in dropped, "cast" in dropped)
     for path, m in layers:
         # What a call's backward reads as the call was given it: grad histories, random streams.
-        names, reads, entries = m.entries_at(recipe, path, without)
-        owners[id(m)] = (path, names, reads)
+        entries = m.entries_at(recipe, path, without)
+        owners[id(m)] = (path, entries.names, entries.reads)
         # A model on "meta" (a vmapped ensemble's base) says nothing about devices.
         device = next((p.device for p in m.parameters() if p.device.type != "meta"), None)
-        for entry, e in entries:
+        for entry, e in entries.keyed:
             expected.add(entry)
             t = ws.get(entry)
             if t is None and e.kind == "batch_amax":

@@ -127,9 +127,16 @@ class Stateful(nn.Module):
         self._modules["workspaces"] = _WorkspaceBuffers()
         self._set_workspaces(init_workspaces(model, recipe, weight_cache=weight_cache))
         self.register_load_state_dict_post_hook(_after_load)
-        self._register_load_state_dict_pre_hook(_take_tensordict_entries, with_module=True)
-        self.register_state_dict_pre_hook(_merge_before_saving)
+        self._install_state_dict_hooks()
         self._show_model_signature()
+
+    def _install_state_dict_hooks(self):
+        # Also on a shell unpickled from a te_func whose shell had neither hook.
+        pre_load = self._load_state_dict_pre_hooks.values()
+        if not any(getattr(h, "hook", None) is _take_tensordict_entries for h in pre_load):
+            self._register_load_state_dict_pre_hook(_take_tensordict_entries, with_module=True)
+        if _merge_before_saving not in self._state_dict_pre_hooks.values():
+            self.register_state_dict_pre_hook(_merge_before_saving)
 
     # --- workspaces, sinks and inboxes --------------------------------------------------------
 
@@ -360,6 +367,7 @@ class Stateful(nn.Module):
         self._modules.setdefault("workspaces", _WorkspaceBuffers())
         self._workspaces = ws
         self._make_sinks_and_inboxes()
+        self._install_state_dict_hooks()
         self._show_model_signature()
 
     # --- what libraries read of the model it wraps --------------------------------------------

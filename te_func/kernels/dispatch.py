@@ -38,10 +38,13 @@ def _kernels(name: str):
         return None
 
 
+# Triton's interpreter, read at import as the kernels' modules read it (not at every call).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def cast_kernels_available() -> bool:
     """Whether the fused casts can run here: Triton imports, and CUDA or TRITON_INTERPRET=1."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    return (interpret or torch.cuda.is_available()) and _kernels("cast") is not None
+    return (_INTERPRET or torch.cuda.is_available()) and _kernels("cast") is not None
 
 
 def set_cast_kernels(enabled: bool) -> bool:
@@ -86,10 +89,6 @@ def _applies(x: torch.Tensor) -> bool:
             and 0 < x.numel() < _MAX_NUMEL):
         return False
     return _on_kernel_device(x)
-
-
-# Read at import, as the kernels' modules read it (a call read the environment each time).
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _on_kernel_device(x: torch.Tensor) -> bool:

@@ -1,13 +1,22 @@
 """`TEModule`: what every te_func layer shares: its workspace spec and its call context."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from ..quant import Entry, Gemm, lower
 from . import context
 
-__all__ = ["TEModule"]
+__all__ = ["TEModule", "LayerEntries"]
+
+
+class LayerEntries(NamedTuple):
+    """One layer's entries as a call validates them (TEModule.entries_at)."""
+    names: tuple[str, ...]                  # op-local entry names
+    reads: tuple[str, ...]                  # those a call's backward reads (grad histories, random streams)
+    keyed: tuple[tuple[str, Entry], ...]    # (full key, Entry) of each
 
 
 class TEModule(nn.Module):
@@ -24,48 +33,46 @@ class TEModule(nn.Module):
     def workspace_spec(self, recipe) -> dict[str, Entry]:
         """Entry name -> Entry (shape, dtype, updated in backward) of every entry this layer needs.
         Shared and cached: a caller copies it before changing it."""
-        gemms = self.gemms()
-        shapes = tuple(tuple(self.gemm_weight(g.weight).shape) for g in gemms)
-        return self._spec(("workspace", recipe, gemms, shapes), lambda lowering: {
-            k: e for g, shape in zip(gemms, shapes) for k, e in lowering.entries(g, shape).items()})
+        gemms, shapes = self._layout()
+        return self._cached(("workspace", recipe, gemms, shapes), lambda: {
+            k: e for g, shape in zip(gemms, shapes) for k, e in lower(recipe).entries(g, shape).items()})
 
     def batch_scope_spec(self, recipe) -> dict[str, Entry]:
         """The entries a call in batch scope adds (te_func.quant.workspace's batch amaxes); cached too."""
         gemms = self.gemms()
-        return self._spec(("batch", recipe, gemms), lambda lowering: {
-            k: e for g in gemms for k, e in lowering.batch_entries(g).items()})
+        return self._cached(("batch", recipe, gemms), lambda: {
+            k: e for g in gemms for k, e in lower(recipe).batch_entries(g).items()})
 
-    def entries_at(self, recipe, path: str, dropped: tuple[bool, bool]) -> tuple:
-        """What a call's validation walks for this layer at `path` (batch-scope entries included,
-        without batch amaxes / weight casts where `dropped` says so): (entry names, the names a call's
-        backward reads (grad histories, random streams), ((full key, Entry), ...)). Cached."""
-        gemms = self.gemms()
-        shapes = tuple(tuple(self.gemm_weight(g.weight).shape) for g in gemms)
-
-        def make(_):
+    def entries_at(self, recipe, path: str, dropped: tuple[bool, bool]) -> LayerEntries:
+        """What a call's validation walks for this layer at `path`: its entries, batch scope's included,
+        without batch amaxes / weight casts where `dropped` says so. Cached."""
+        def make():
             spec = {**self.workspace_spec(recipe), **self.batch_scope_spec(recipe)}
             spec = {k: e for k, e in spec.items()
                     if not (dropped[0] and e.kind == "batch_amax" or dropped[1] and e.kind == "cast")}
             prefix = f"{path}." if path else ""
-            return (tuple(spec), tuple(k for k, e in spec.items() if e.backward or e.stream),
-                    tuple((prefix + k, e) for k, e in spec.items()))
-        return self._spec(("at", recipe, gemms, shapes, path, dropped), make)
+            return LayerEntries(tuple(spec), tuple(k for k, e in spec.items() if e.backward or e.stream),
+                                tuple((prefix + k, e) for k, e in spec.items()))
+        return self._cached(("at", recipe, *self._layout(), path, dropped), make)
 
     def keys_of_kind(self, recipe, path: str, kind: str) -> tuple[str, ...]:
         """The full keys of this layer's entries (batch scope's included) of `kind`. Cached."""
-        gemms = self.gemms()
-        shapes = tuple(tuple(self.gemm_weight(g.weight).shape) for g in gemms)
-        return self._spec(("kind", recipe, gemms, shapes, path, kind), lambda _: tuple(
-            k for k, e in self.entries_at(recipe, path, (False, False))[2] if e.kind == kind))
+        return self._cached(("kind", recipe, *self._layout(), path, kind), lambda: tuple(
+            k for k, e in self.entries_at(recipe, path, (False, False)).keyed if e.kind == kind))
 
-    def _spec(self, key: tuple, make):
-        # Every call validates its workspaces against the spec: made once per recipe, GEMMs and
-        # weight shapes (a torch.compile trace reads it where it interpreted ~90 Entry constructions).
+    def _layout(self) -> tuple[tuple[Gemm, ...], tuple[tuple[int, ...], ...]]:
+        # What a layer's entries follow from besides the recipe: its GEMMs and their weights' shapes.
+        gemms = self.gemms()
+        return gemms, tuple(tuple(self.gemm_weight(g.weight).shape) for g in gemms)
+
+    def _cached(self, key: tuple, make):
+        # Every call validates its workspaces against these: made once per key (a torch.compile
+        # trace then reads them where it interpreted ~90 Entry constructions).
         cache = self.__dict__.setdefault("_te_func_specs", {})
-        spec = cache.get(key)
-        if spec is None:
-            spec = cache[key] = make(lower(key[1]))
-        return spec
+        value = cache.get(key)
+        if value is None:
+            value = cache[key] = make()
+        return value
 
     def init_workspace(self, recipe, weights: dict | None = None, path: str = "",
                        weight_cache: bool = True) -> dict[str, torch.Tensor]:

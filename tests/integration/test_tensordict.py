@@ -83,3 +83,20 @@ def test_to_module_as_a_context_gives_back_the_targets_own_state():
         assert torch.equal(target(x, is_first_microbatch=False), source(x, is_first_microbatch=False))
     after = state(target)
     assert after.keys() == before.keys() and all(torch.equal(v, before[k]) for k, v in after.items())
+
+
+def test_a_shell_unpickled_from_before_the_state_dict_hooks_copies_with_use_state_dict():
+    """A shell pickled by a te_func whose shell had no state_dict hooks gets them back, once."""
+    import collections
+    recipe = DelayedScaling(amax_history_len=4)
+    source = trained(recipe)
+    pickled = source.__getstate__()
+    pickled["_load_state_dict_pre_hooks"], pickled["_state_dict_pre_hooks"] = (collections.OrderedDict(),
+                                                                           collections.OrderedDict())
+    unpickled = tef.Stateful.__new__(tef.Stateful)
+    unpickled.__setstate__(pickled)
+    assert len(unpickled._load_state_dict_pre_hooks) == len(unpickled._state_dict_pre_hooks) == 1
+    target = tef.Stateful(mlp(), recipe)
+    TensorDict.from_module(unpickled, use_state_dict=True).to_module(target, use_state_dict=True)
+    assert state(target).keys() == state(unpickled).keys()
+    assert all(torch.equal(v, state(unpickled)[k]) for k, v in state(target).items())
