@@ -74,13 +74,87 @@ def _(info, in_dims, a, b, scale_a, scale_b, out_dtype, fast_accum, bias=None):
         a = a.movedim(dim_a, 0)
         out = _batched_scaled_mm(a.flatten(0, 1), b, scale_a, scale_b, out_dtype, fast_accum, bias)
         return out.unflatten(0, a.shape[:2]), 0
-    # Both operands per sample (a weight-gradient GEMM), per-sample scales or biases: one GEMM a sample.
+    # Both operands per sample (a weight-gradient GEMM, an ensemble member's forward), per-sample
+    # scales or biases: the samples' GEMMs as one grouped GEMM, a shared operand read by every group.
+    n = info.batch_size
+
+    def batched(t, dim):
+        return t.movedim(dim, 0) if dim is not None else t.expand(n, *t.shape)
+    out = _grouped_scaled_mm(batched(a, dim_a), batched(b, dim_b), batched(scale_a.reshape(()) if dim_sa is None
+                             else scale_a, dim_sa).reshape(n), batched(scale_b.reshape(()) if dim_sb is None
+                             else scale_b, dim_sb).reshape(n), out_dtype, fast_accum,
+                             None if bias is None else batched(bias, dim_bias))
+    return out, 0
+
+
+@torch.library.custom_op("te_func::grouped_scaled_mm", mutates_args=())
+def _grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                       out_dtype: torch.dtype, fast_accum: bool, bias: torch.Tensor | None = None,
+                       offs: torch.Tensor | None = None) -> torch.Tensor:
+    """G tensor-wise scaled FP8 GEMMs a_g @ b_g.T * scale_a[g] * scale_b[g] (+ bias) in one call.
+    offs None: a (G, M, K), b (G, N, K) (an operand shared by the groups: expanded, group stride 0),
+    scales (G,) or (), bias (G, N), (N,) or None -> (G, M, N). offs (G,) int32, the ends of runs of
+    a's rows: a (T, K), b (G, N, K) -> (T, N), rows past the last run zeros. The Triton kernel
+    (te_func.kernels.grouped_gemm) where it runs; elsewhere one torch._scaled_mm a group."""
+    if bias is not None:
+        bias = _bias(bias, b.shape[-2], out_dtype) if bias.dim() == 1 else bias.to(out_dtype)
+    out = kernels.grouped_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, bias, offs)
+    if out is not None:
+        return out
+    groups = _groups(a, b, scale_a, scale_b, bias, offs)
+    if offs is None:
+        return torch.stack([_one_gemm(*g, out_dtype, fast_accum) for g in groups])
+    out = a.new_zeros((a.shape[0], b.shape[-2]), dtype=out_dtype)
+    for group, (start, end) in zip(groups, _runs(offs)):
+        if end > start:
+            out[start:end] = _one_gemm(*group, out_dtype, fast_accum)
+    return out
+
+
+def _runs(offs: torch.Tensor) -> list[tuple[int, int]]:
+    ends = offs.tolist()
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def _groups(a, b, scale_a, scale_b, bias, offs) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                               torch.Tensor | None]]:
+    """Each group's (a, b, scale_a, scale_b, bias), a shared scale or bias in every one."""
+    count = offs.shape[0] if offs is not None else a.shape[0]
+    runs = _runs(offs) if offs is not None else None
+    scales = [s.reshape(-1).expand(count) for s in (scale_a, scale_b)]
+    return [(a[runs[g][0]:runs[g][1]] if runs is not None else a[g], b[g], scales[0][g], scales[1][g],
+             None if bias is None else bias[g] if bias.dim() == 2 else bias) for g in range(count)]
+
+
+def _one_gemm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum) -> torch.Tensor:
+    """One group's GEMM: torch._scaled_mm where it takes the pair (the loop the grouped GEMM
+    replaces), else the fp32 emulation `gemm` runs."""
+    native = a.device.type == "cpu" or (native_fp8_gemm_available(a.device) and a.shape[-1] % 16 == 0
+                                        and b.shape[0] % 16 == 0)
+    if native and not (a.dtype == b.dtype == torch.float8_e5m2):
+        return _batched_scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, bias)
+    product = dequantize(Quantized.tensorwise(a, scale_a)) @ dequantize(Quantized.tensorwise(b, scale_b)).t()
+    return _rounded(product, bias, out_dtype)
+
+
+@_grouped_scaled_mm.register_fake
+def _(a, b, scale_a, scale_b, out_dtype, fast_accum, bias=None, offs=None):
+    if offs is not None:
+        return a.new_empty((a.shape[0], b.shape[-2]), dtype=out_dtype)
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[1]), dtype=out_dtype)
+
+
+@_grouped_scaled_mm.register_vmap
+def _(info, in_dims, a, b, scale_a, scale_b, out_dtype, fast_accum, bias=None, offs=None):
+    # A grouped GEMM under another vmap (an ensemble's per-sample gradients): one call an outer sample.
+    dims = list(in_dims) + [None] * (8 - len(in_dims))
+
     def sample(t, dim, i):
         return t if dim is None else t.select(dim, i)
-    outs = [_batched_scaled_mm(sample(a, dim_a, i), sample(b, dim_b, i), sample(scale_a, dim_sa, i),
-                               sample(scale_b, dim_sb, i), out_dtype, fast_accum, sample(bias, dim_bias, i))
-            for i in range(info.batch_size)]
-    return torch.stack(outs), 0
+    return torch.stack([_grouped_scaled_mm(sample(a, dims[0], i), sample(b, dims[1], i), sample(scale_a, dims[2], i),
+                                           sample(scale_b, dims[3], i), out_dtype, fast_accum,
+                                           sample(bias, dims[6], i), sample(offs, dims[7], i))
+                        for i in range(info.batch_size)]), 0
 
 
 def _use_blockwise_scaled_mm(a: Quantized, b: Quantized) -> bool:

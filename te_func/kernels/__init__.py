@@ -6,12 +6,12 @@ import torch
 
 from . import dispatch
 from .dispatch import (activation, cast_from_partials, cast_kernels_available, delayed_record, delayed_update,
-                       device_capability, fp8_capable, gelu_partials, norm_backward, norm_forward, partial_rows,
-                       set_cast_kernels, tensorwise_cast, weight_only_mm)
+                       device_capability, fp8_capable, gelu_partials, grouped_mm, norm_backward, norm_forward,
+                       partial_rows, set_cast_kernels, tensorwise_cast, weight_only_mm)
 
 __all__ = ["activation", "cast_from_partials", "cast_kernels_available", "delayed_record", "delayed_update",
-           "device_capability", "fp8_capable", "gelu_partials", "norm_backward", "norm_forward", "partial_rows",
-           "set_cast_kernels", "tensorwise_cast", "weight_only_mm"]
+           "device_capability", "fp8_capable", "gelu_partials", "grouped_mm", "norm_backward", "norm_forward",
+           "partial_rows", "set_cast_kernels", "tensorwise_cast", "weight_only_mm"]
 
 # Where the kernels can run, their ops exist from `import te_func` on (for exported programs).
 if torch.cuda.is_available():

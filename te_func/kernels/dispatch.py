@@ -3,10 +3,10 @@
 Eagerly, on CUDA, on plain tensors: the casts, the GELU with its amax, the norms, DelayedScaling's
 bookkeeping. Everywhere else the torch path runs: on CPU, under torch.compile (inductor fuses it
 faster: docs/benchmarks.md), under vmap, for other dtypes, empty or non-contiguous tensors.
-Results are bit-identical either way, except the norms' (row sums in another order) and
-weight-only FP8's GEMM (fp32 sums in another order). Under torch.compile three run as graph ops:
-`gelu_partials`, `cast_from_partials` (current scaling's cast from partial maxes; `partial_rows`
-says where) and `weight_only_mm`."""
+Results are bit-identical either way, except the norms' (row sums in another order) and the
+GEMMs' (weight-only FP8's and the grouped FP8 GEMM's: fp32 sums in another order). Under
+torch.compile four run as graph ops: `gelu_partials`, `cast_from_partials` (current scaling's
+cast from partial maxes; `partial_rows` says where), `weight_only_mm` and `grouped_mm`."""
 from __future__ import annotations
 
 import functools
@@ -18,8 +18,8 @@ import torch
 from .. import _compat
 
 __all__ = ["activation", "cast_from_partials", "cast_kernels_available", "delayed_record", "delayed_update",
-           "device_capability", "fp8_capable", "gelu_partials", "norm_backward", "norm_forward", "partial_rows",
-           "set_cast_kernels", "tensorwise_cast", "weight_only_mm"]
+           "device_capability", "fp8_capable", "gelu_partials", "grouped_mm", "norm_backward", "norm_forward",
+           "partial_rows", "set_cast_kernels", "tensorwise_cast", "weight_only_mm"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_NUMEL = 2**31 - 2**24     # int32 indexing in the kernels
@@ -319,3 +319,23 @@ def weight_only_mm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
     calls["fused"] += 1
     return module.weight_only_mm(x.contiguous(), w.contiguous(), scale_inv.reshape(()).contiguous(),
                                  None if bias is None else bias.contiguous())
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+               out_dtype: torch.dtype, fast_accum: bool, bias: torch.Tensor | None = None,
+               offs: torch.Tensor | None = None) -> torch.Tensor | None:
+    """G FP8 GEMMs a_g @ b_g.T * scale_a[g] * scale_b[g] + bias in one Triton launch
+    (te_func.kernels.grouped_gemm says the layouts), or None: FP8 operands on an FP8-capable device
+    (or Triton's interpreter), fp32 scales, a bf16/fp16/fp32 result. Also under torch.compile:
+    te_func.gemm's op calls it at run time."""
+    if not (_enabled and a.dtype in _FP8_DTYPES and b.dtype in _FP8_DTYPES and scale_a.dtype == torch.float32
+            and scale_b.dtype == torch.float32 and out_dtype in _INPUT_DTYPES
+            and max(a.numel(), b.numel()) < _MAX_NUMEL and a.device == b.device
+            and (offs is None or offs.dtype == torch.int32) and _on_kernel_device(a)):
+        return None
+    module = _kernels("grouped_gemm")
+    if module is None:
+        return None
+    calls["fused"] += 1
+    return module.grouped_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, bias,
+                             None if offs is None else offs.contiguous())

@@ -3,6 +3,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 from te_func.gemm import gemm
 from te_func.quant import dequantize, quantize_scheme, scheme_for
@@ -56,7 +57,8 @@ def test_the_bias_is_added_to_the_fp32_product_before_its_one_rounding(recipe):
 def test_scaled_mm_batching_rule(shared, bias):
     """te_func::scaled_mm under vmap, run where torch._scaled_mm runs (CPUs included): samples
     against a shared operand with shared scales (and bias) are one GEMM over the stacked rows,
-    anything else one GEMM per sample; both equal torch._scaled_mm sample by sample, bit for bit."""
+    anything else one grouped GEMM (te_func::grouped_scaled_mm); both equal torch._scaled_mm
+    sample by sample, bit for bit."""
     from te_func.gemm import _batched_scaled_mm
     a, scale_b = _fp8(4, 32, 64), torch.tensor(1.5)
     b, scale_a = (_fp8(48, 64), torch.tensor(0.25)) if shared else (_fp8(4, 48, 64), torch.rand(4) + 0.5)
@@ -86,3 +88,90 @@ def test_vmapped_gemm_runs_the_batch_gemm(cuda):
         return gemm(dataclasses.replace(xq, data=data), wq, torch.bfloat16)
     per_sample = torch.func.vmap(one)(xq.data.unflatten(0, (8, 64)))
     assert torch.equal(per_sample.flatten(0, 1), batch)
+
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _loop_reference(a, b, scale_a, scale_b, out_dtype, bias, runs=None):
+    """The grouped GEMM's definition: one te_func GEMM a group, from te_func.gemm's own path."""
+    from te_func.quant import Quantized
+    outs = []
+    for g in range(b.shape[0]):
+        rows = a[g] if runs is None else a[runs[g][0]:runs[g][1]]
+        s_a, s_b = (s.reshape(-1).expand(b.shape[0])[g] for s in (scale_a, scale_b))
+        bias_g = None if bias is None else bias[g] if bias.dim() == 2 else bias
+        if a.dtype == b.dtype == E5M2:      # no torch._scaled_mm for the pair: gemm's emulation
+            outs.append(gemm(Quantized.tensorwise(rows, s_a), Quantized.tensorwise(b[g], s_b), out_dtype, bias=bias_g))
+        else:
+            outs.append(torch._scaled_mm(rows, b[g].t(), scale_a=s_a, scale_b=s_b, out_dtype=out_dtype,
+                                         bias=None if bias_g is None else bias_g.to(out_dtype)))
+    return outs
+
+
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2), (E5M2, E5M2)], ids=str)
+@pytest.mark.parametrize("bias", [None, "shared", "per-group"])
+def test_grouped_gemm_is_a_loop_of_gemms_bit_for_bit(dtypes, bias):
+    """te_func::grouped_scaled_mm where no grouped kernel runs (CPUs): batched (G, M, K) x (G, N, K),
+    an operand or a scale shared by expanding it, equals one GEMM a group, bit for bit."""
+    from te_func.gemm import _grouped_scaled_mm
+    torch.manual_seed(0)
+    g, m, n, k = 3, 24, 32, 48
+    a = (torch.randn(g, m, k) * 8).to(dtypes[0])
+    b = (torch.randn(g, n, k) * 8).to(dtypes[1])
+    scale_a, scale_b = torch.rand(g) + 0.5, torch.tensor(0.75)
+    biases = {None: None, "shared": torch.randn(n).bfloat16(), "per-group": torch.randn(g, n).bfloat16()}[bias]
+    out_dtype = torch.float32 if bias is None else torch.bfloat16
+    got = _grouped_scaled_mm(a, b, scale_a, scale_b, out_dtype, False, biases)
+    assert torch.equal(got, torch.stack(_loop_reference(a, b, scale_a, scale_b, out_dtype, biases)))
+    shared = b[:1].expand(g, n, k)          # one weight, per-group inputs and scales
+    got = _grouped_scaled_mm(a, shared, scale_a, scale_b, out_dtype, True, biases)
+    assert torch.equal(got, torch.stack(_loop_reference(a, shared, scale_a, scale_b, out_dtype, biases)))
+
+
+@pytest.mark.parametrize("counts", [[10, 0, 45, 15], [70, 0, 0, 0], [0, 0, 0, 0], [5, 5, 5, 5]], ids=str)
+def test_grouped_gemm_over_runs_of_rows_from_device_offsets(counts):
+    """The MoE layout: a (T, K) cut into runs by device offsets (the runs' ends), one weight a run;
+    empty runs, all rows in one run and rows past the last run (zeros) included."""
+    from te_func.gemm import _grouped_scaled_mm
+    torch.manual_seed(1)
+    t, n, k = 70, 32, 48
+    a, b = (torch.randn(t, k) * 8).to(E4M3), (torch.randn(len(counts), n, k) * 8).to(E4M3)
+    scale_a, scale_b = torch.rand(len(counts)) + 0.5, torch.rand(len(counts)) + 0.5
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    got = _grouped_scaled_mm(a, b, scale_a, scale_b, torch.bfloat16, False, None, offs)
+    ends = offs.tolist()
+    runs = list(zip([0, *ends[:-1]], ends))
+    want = torch.zeros(t, n, dtype=torch.bfloat16)
+    for (start, end), out in zip(runs, _loop_reference(a, b, scale_a, scale_b, torch.bfloat16, None, runs)):
+        want[start:end] = out
+    assert torch.equal(got, want)
+    assert not got[ends[-1]:].any()
+
+
+def test_grouped_gemm_op_traces_with_changing_offsets_and_under_vmap():
+    """The op's fake impl (torch.library.opcheck); compiled fullgraph, new offsets make
+    no new graph; vmapped over an outer batch (an ensemble's per-sample GEMMs), one call a sample."""
+    from te_func.gemm import _grouped_scaled_mm
+    torch.manual_seed(2)
+    a, b = (torch.randn(40, 32) * 8).to(E4M3), (torch.randn(3, 16, 32) * 8).to(E4M3)
+    scales = torch.rand(3) + 0.5, torch.rand(3) + 0.5
+    offs = torch.tensor([10, 30, 40], dtype=torch.int32)
+    checks = ("test_faketensor", "test_aot_dispatch_dynamic")    # (its schema check multiplies FP8 on CPU)
+    torch.library.opcheck(_grouped_scaled_mm, (a, b, *scales, torch.bfloat16, True, None, offs), test_utils=checks)
+    torch.library.opcheck(_grouped_scaled_mm, (a.view(2, 20, 32), b[:2], *(s[:2] for s in scales), torch.float32,
+                                               False, torch.randn(2, 16), None), test_utils=checks)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_grouped_scaled_mm, fullgraph=True, backend=counter)
+    for ends in ([10, 30, 40], [0, 35, 40], [40, 40, 40]):
+        offs = torch.tensor(ends, dtype=torch.int32)
+        assert torch.equal(compiled(a, b, *scales, torch.bfloat16, True, None, offs),
+                           _grouped_scaled_mm(a, b, *scales, torch.bfloat16, True, None, offs))
+    assert counter.frame_count == 1
+    stacked = torch.stack([a.view(2, 20, 32), a.flip(0).view(2, 20, 32)])       # 2 outer samples
+    got = torch.func.vmap(_grouped_scaled_mm, in_dims=(0, None, None, None, None, None))(
+        stacked, b[:2], scales[0][:2], scales[1][:2], torch.float32, False)
+    want = torch.stack([_grouped_scaled_mm(s, b[:2], scales[0][:2], scales[1][:2], torch.float32, False)
+                        for s in stacked])
+    assert torch.equal(got, want)

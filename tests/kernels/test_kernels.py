@@ -859,3 +859,34 @@ def test_weight_only_kernel_compiles_for_hopper(w_dtype, x_dtype):
                                                                "out_ptr": "*" + x_dtype, "numel": "i32"},
                               {"SPLIT": 4, "BLOCK": 1024})
     assert "st.global" in ptx
+
+
+@gpu
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)], ids=str)
+@pytest.mark.parametrize("layout", ["batched", "shared-weight", "offsets"])
+def test_grouped_gemm_kernel_matches_the_loop_to_fp32_rounding(device, kernels_on, dtypes, layout):
+    """The grouped FP8 GEMM's kernel against one GEMM a group (kernels off): the same fp32 products
+    summed in another order, within fp32 rounding of the result; odd sizes cover the tile edges,
+    an empty run and rows past the last run the offsets layout."""
+    from te_func.gemm import _grouped_scaled_mm
+    torch.manual_seed(0)
+    g, m, n, k = 3, 72, 80, 96
+    b = (torch.randn(g, n, k, device=device) * 8).to(dtypes[1])
+    scale_a, scale_b = torch.rand(g, device=device) + 0.5, torch.rand(g, device=device) + 0.5
+    bias = torch.randn(g, n, device=device)
+    offs = None
+    if layout == "offsets":
+        a = (torch.randn(200, k, device=device) * 8).to(dtypes[0])
+        offs, bias = torch.tensor([70, 70, 190], device=device, dtype=torch.int32), None
+    else:
+        a = (torch.randn(g, m, k, device=device) * 8).to(dtypes[0])
+        b = b[:1].expand(g, n, k) if layout == "shared-weight" else b
+    before = dispatch.calls["fused"]
+    got = _grouped_scaled_mm(a, b, scale_a, scale_b, torch.float32, False, bias, offs)
+    assert dispatch.calls["fused"] == before + 1
+    kernels.set_cast_kernels(False)
+    want = _grouped_scaled_mm(a, b, scale_a, scale_b, torch.float32, False, bias, offs)
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    if offs is not None:
+        assert not got[190:].any()
