@@ -68,10 +68,14 @@ class TEModule(nn.Module):
     def _cached(self, key: tuple, make):
         # Every call validates its workspaces against these: made once per key (a torch.compile
         # trace then reads them where it interpreted ~90 Entry constructions).
-        cache = self.__dict__.setdefault("_te_func_specs", {})
-        value = cache.get(key)
+        # A trace only reads it: torch 2.11's dynamo cannot trace `__dict__.setdefault`, and a
+        # store while tracing would be a side effect replayed after the graph.
+        cache = getattr(self, "_te_func_specs", None)
+        value = None if cache is None else cache.get(key)
         if value is None:
-            value = cache[key] = make()
+            value = make()
+            if not torch.compiler.is_compiling():
+                self.__dict__.setdefault("_te_func_specs", {})[key] = value
         return value
 
     def init_workspace(self, recipe, weights: dict | None = None, path: str = "",
