@@ -93,14 +93,27 @@ def _grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, 
                        offs: torch.Tensor | None = None) -> torch.Tensor:
     """G tensor-wise scaled FP8 GEMMs a_g @ b_g.T * scale_a[g] * scale_b[g] (+ bias) in one call.
     offs None: a (G, M, K), b (G, N, K) (an operand shared by the groups: expanded, group stride 0),
-    scales (G,) or (), bias (G, N), (N,) or None -> (G, M, N). offs (G,) int32, the ends of runs of
-    a's rows: a (T, K), b (G, N, K) -> (T, N), rows past the last run zeros. The Triton kernel
-    (te_func.kernels.grouped_gemm) where it runs; elsewhere one torch._scaled_mm a group."""
+    scales (G,) or (), bias (G, N), (N,) or None -> (G, M, N) (vmap's batches).
+    offs (G,) int32, the ends of G runs of tokens, on the device:
+    - b (G, N, K): runs of a's rows, a (T, K) -> (T, N), rows past the last run zeros (a MoE
+      layer's forward and input gradient);
+    - b (N, T): runs along K, a (M, T) -> (G, M, N), an empty run zeros (its weight gradients).
+    The Triton kernel (te_func.kernels.grouped_gemm) where it runs; elsewhere one
+    torch._scaled_mm a group, the loop this replaces."""
+    k_runs = offs is not None and b.dim() == 2
+    if k_runs and bias is not None:
+        raise ValueError("te_func::grouped_scaled_mm: runs along K (weight gradients) take no bias")
     if bias is not None:
         bias = _bias(bias, b.shape[-2], out_dtype) if bias.dim() == 1 else bias.to(out_dtype)
     out = kernels.grouped_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, bias, offs)
     if out is not None:
         return out
+    if offs is not None and k_runs:
+        scales = [s.reshape(-1).expand(offs.shape[0]) for s in (scale_a, scale_b)]
+        empty = a.new_zeros((a.shape[0], b.shape[0]), dtype=out_dtype)
+        return torch.stack([_one_gemm(a[:, start:end], b[:, start:end], scales[0][g], scales[1][g], None, out_dtype,
+                                      fast_accum) if end > start else empty
+                            for g, (start, end) in enumerate(_runs(offs))])
     groups = _groups(a, b, scale_a, scale_b, bias, offs)
     if offs is None:
         return torch.stack([_one_gemm(*g, out_dtype, fast_accum) for g in groups])
@@ -139,6 +152,8 @@ def _one_gemm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum) -> torch.Tens
 
 @_grouped_scaled_mm.register_fake
 def _(a, b, scale_a, scale_b, out_dtype, fast_accum, bias=None, offs=None):
+    if offs is not None and b.dim() == 2:
+        return a.new_empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)
     if offs is not None:
         return a.new_empty((a.shape[0], b.shape[-2]), dtype=out_dtype)
     return a.new_empty((a.shape[0], a.shape[1], b.shape[1]), dtype=out_dtype)

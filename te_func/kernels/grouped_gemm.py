@@ -1,13 +1,16 @@
 """Triton kernel of the grouped FP8 GEMM: G GEMMs `a_g @ b_g.T`, each scaled by its own pair of
 tensor-wise scale_invs, in one launch.
 
-Two layouts of the groups' rows:
+Three layouts of the groups:
 - batched: a (G, M, K), b (G, N, K) -> (G, M, N); a group stride of 0 shares an operand (or a
   scale) among the groups. A vmapped weight-gradient GEMM, an ensemble member's forward.
 - offsets: a (T, K) whose rows are cut into G runs by `offs` (G,) int32, the runs' ends on the
   device (a MoE layer's tokens sorted by expert), b (G, N, K) -> (T, N). No host sync: the grid
   covers every run's tiles (at most cdiv(T, BLOCK_M) + G of them) and each program finds its run
   by walking `offs`; the programs past the last tile return at once.
+- runs along K: a (M, T), b (N, T) whose columns are cut into G runs by `offs` -> (G, M, N), each
+  group the product over its run (a MoE layer's weight gradients: dW_g = dY_g.T @ X_g); an
+  empty run gives zeros.
 
 Both operands are FP8 (E4M3 or E5M2, mixed: the tensor cores take either pair), read K-major,
 multiplied on the FP8 tensor cores with fp32 accumulation; the epilogue scales by
@@ -93,6 +96,36 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, offs_ptr, out_ptr, M
     tl.store(out_base + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=where)
 
 
+@triton.autotune(configs=_configs(), key=["M", "N", "T", "G", "FAST_ACCUM"])
+@triton.jit
+def _k_runs_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, M, N, T, G, sa_group_stride, sb_group_stride,
+                   FAST_ACCUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0)
+    end = tl.load(offs_ptr + group)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(start, end, BLOCK_K):
+        k = k0 + ks
+        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * T + k[None, :], mask=row_ok[:, None] & (k[None, :] < end),
+                    other=0.0)
+        b = tl.load(b_ptr + cols[None, :].to(tl.int64) * T + k[:, None], mask=col_ok[None, :] & (k[:, None] < end),
+                    other=0.0)
+        if _INTERPRETED:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        elif FAST_ACCUM:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc += tl.dot(a, b)
+    acc = acc * (tl.load(sa_ptr + group * sa_group_stride) * tl.load(sb_ptr + group * sb_group_stride))
+    out = out_ptr + group.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
 def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
     # The kernel addresses a group's rows as contiguous; a group stride of 0 (an expanded, shared
     # operand) stays as it is.
@@ -109,8 +142,12 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
                out_dtype: torch.dtype, fast_accum: bool, bias: torch.Tensor | None = None,
                offs: torch.Tensor | None = None) -> torch.Tensor:
     """The layouts of te_func.gemm's `_grouped_scaled_mm`: offs None: a (G, M, K), b (G, N, K),
-    scales (G,) or (), bias (G, N), (N,) or None -> (G, M, N). offs (G,) int32: a (T, K),
-    b (G, N, K) -> (T, N), rows past offs[-1] zeros. A group stride of 0 shares an operand."""
+    scales (G,) or (), bias (G, N), (N,) or None -> (G, M, N). offs (G,) int32 with b (G, N, K):
+    a (T, K) -> (T, N), rows past offs[-1] zeros; with b (N, T): a (M, T) -> (G, M, N), runs along
+    K (no bias). A group stride of 0 shares an operand."""
+    if offs is not None and b.dim() == 2:
+        return _k_runs(a.contiguous(), b.contiguous(), scale_a.reshape(-1), scale_b.reshape(-1), out_dtype, fast_accum,
+                       offs)
     offsets = offs is not None
     a = a.contiguous() if offsets else _inner_contiguous(a)
     b = _inner_contiguous(b)
@@ -138,4 +175,18 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
     _grouped_kernel[grid](a, b, scale_a, scale_b, bias, offs if offsets else scale_a, out, m, n, k, g,
                           0 if offsets else a.stride(0), b.stride(0), _scale_stride(scale_a), _scale_stride(scale_b),
                           bias_stride, OFFSETS=offsets, HAS_BIAS=has_bias, FAST_ACCUM=fast_accum)
+    return out
+
+
+def _k_runs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
+            fast_accum: bool, offs: torch.Tensor) -> torch.Tensor:
+    (m, t), n, g = a.shape, b.shape[0], offs.shape[0]
+    out = torch.empty((g, m, n), device=a.device, dtype=out_dtype)
+    if out.numel() == 0:
+        return out
+
+    def grid(meta):
+        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), g
+    _k_runs_kernel[grid](a, b, scale_a, scale_b, offs, out, m, n, t, g, _scale_stride(scale_a), _scale_stride(scale_b),
+                         FAST_ACCUM=fast_accum)
     return out

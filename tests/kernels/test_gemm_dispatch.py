@@ -175,3 +175,27 @@ def test_grouped_gemm_op_traces_with_changing_offsets_and_under_vmap():
     want = torch.stack([_grouped_scaled_mm(s, b[:2], scales[0][:2], scales[1][:2], torch.float32, False)
                         for s in stacked])
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("counts", [[16, 0, 48, 32], [96, 0, 0, 0], [0, 0, 0, 0], [7, 33, 20, 36]], ids=str)
+def test_grouped_gemm_over_runs_along_k_is_a_weight_gradient_a_run(counts):
+    """The MoE weight-gradient layout: a (M, T), b (N, T) with device offsets along T -> one product
+    a run (G, M, N), an empty run zeros; equal to one GEMM a run bit for bit, runs whose length
+    torch._scaled_mm takes or not; no bias there."""
+    from te_func.gemm import _grouped_scaled_mm
+    torch.manual_seed(3)
+    t, m, n = 96, 32, 48
+    a, b = (torch.randn(m, t) * 8).to(E5M2), (torch.randn(n, t) * 8).to(E4M3)
+    scale_a, scale_b = torch.rand(len(counts)) + 0.5, torch.tensor(0.5)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    got = _grouped_scaled_mm(a, b, scale_a, scale_b, torch.float32, False, None, offs)
+    ends = offs.tolist()
+    for g, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+        want = torch.zeros(m, n) if end == start else torch._scaled_mm(
+            a[:, start:end].contiguous(), b[:, start:end].contiguous().t(), scale_a=scale_a[g], scale_b=scale_b,
+            out_dtype=torch.float32)
+        assert torch.equal(got[g], want), g
+    torch.library.opcheck(_grouped_scaled_mm, (a, b, scale_a, scale_b, torch.float32, False, None, offs),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    with pytest.raises(ValueError, match="take no bias"):
+        _grouped_scaled_mm(a, b, scale_a, scale_b, torch.float32, False, torch.randn(n), offs)

@@ -863,7 +863,7 @@ def test_weight_only_kernel_compiles_for_hopper(w_dtype, x_dtype):
 
 @gpu
 @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)], ids=str)
-@pytest.mark.parametrize("layout", ["batched", "shared-weight", "offsets"])
+@pytest.mark.parametrize("layout", ["batched", "shared-weight", "offsets", "runs-along-k"])
 def test_grouped_gemm_kernel_matches_the_loop_to_fp32_rounding(device, kernels_on, dtypes, layout):
     """The grouped FP8 GEMM's kernel against one GEMM a group (kernels off): the same fp32 products
     summed in another order, within fp32 rounding of the result; odd sizes cover the tile edges,
@@ -875,7 +875,12 @@ def test_grouped_gemm_kernel_matches_the_loop_to_fp32_rounding(device, kernels_o
     scale_a, scale_b = torch.rand(g, device=device) + 0.5, torch.rand(g, device=device) + 0.5
     bias = torch.randn(g, n, device=device)
     offs = None
-    if layout == "offsets":
+    if layout == "runs-along-k":      # weight gradients: (M, T) x (N, T), runs of 64, 0, 80 and 48 tokens
+        a, b = (torch.randn(m, 192, device=device) * 8).to(dtypes[0]), (torch.randn(n, 192, device=device) * 8).to(
+            dtypes[1])
+        scale_a, scale_b = torch.rand(4, device=device) + 0.5, torch.rand(4, device=device) + 0.5
+        offs, bias = torch.tensor([64, 64, 144, 192], device=device, dtype=torch.int32), None
+    elif layout == "offsets":
         a = (torch.randn(200, k, device=device) * 8).to(dtypes[0])
         offs, bias = torch.tensor([70, 70, 190], device=device, dtype=torch.int32), None
     else:
@@ -888,5 +893,7 @@ def test_grouped_gemm_kernel_matches_the_loop_to_fp32_rounding(device, kernels_o
     want = _grouped_scaled_mm(a, b, scale_a, scale_b, torch.float32, False, bias, offs)
     assert got.shape == want.shape
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-    if offs is not None:
+    if layout == "offsets":
         assert not got[190:].any()
+    if layout == "runs-along-k":
+        assert not got[1].any()
