@@ -32,8 +32,11 @@ _INTERPRETED = tl.constexpr(INTERPRETED)
 def _configs():
     if INTERPRETED:     # the interpreter runs every candidate: one is enough there
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 128}, num_warps=w, num_stages=s)
-            for m, n, w in ((128, 128, 8), (128, 256, 8), (64, 128, 4)) for s in (3, 4)]
+    # FP8 tiles for Hopper's tensor cores (K-major operands, 128-deep K steps): picked per shape.
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+            for m, n, k, w, s in ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
+                                  (256, 128, 128, 8, 3), (128, 128, 64, 4, 4), (64, 128, 128, 4, 4),
+                                  (64, 256, 128, 4, 3))]
 
 
 @triton.autotune(configs=_configs(), key=["M", "N", "K", "G", "OFFSETS", "FAST_ACCUM"])
