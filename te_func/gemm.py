@@ -98,8 +98,8 @@ def _grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, 
     - b (G, N, K): runs of a's rows, a (T, K) -> (T, N), rows past the last run zeros (a MoE
       layer's forward and input gradient);
     - b (N, T): runs along K, a (M, T) -> (G, M, N), an empty run zeros (its weight gradients).
-    The Triton kernel (te_func.kernels.grouped_gemm) where it runs; elsewhere one
-    torch._scaled_mm a group, the loop this replaces."""
+    The Triton kernel (te_func.kernels.grouped_gemm) where it runs; elsewhere one GEMM a group as
+    `gemm` runs it (torch._scaled_mm on FP8 GPUs, the fp32 emulation on CPUs): the loop this replaces."""
     k_runs = offs is not None and b.dim() == 2
     if k_runs and bias is not None:
         raise ValueError("te_func::grouped_scaled_mm: runs along K (weight gradients) take no bias")
@@ -140,10 +140,9 @@ def _groups(a, b, scale_a, scale_b, bias, offs) -> list[tuple[torch.Tensor, torc
 
 
 def _one_gemm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum) -> torch.Tensor:
-    """One group's GEMM: torch._scaled_mm where it takes the pair (the loop the grouped GEMM
-    replaces), else the fp32 emulation `gemm` runs."""
-    native = a.device.type == "cpu" or (native_fp8_gemm_available(a.device) and a.shape[-1] % 16 == 0
-                                        and b.shape[0] % 16 == 0)
+    """One group's GEMM as `gemm` runs a tensor-wise pair here: torch._scaled_mm on an FP8 GPU where
+    it takes the pair, else the fp32 emulation."""
+    native = native_fp8_gemm_available(a.device) and a.shape[-1] % 16 == 0 and b.shape[0] % 16 == 0
     if native and not (a.dtype == b.dtype == torch.float8_e5m2):
         return _batched_scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, bias)
     product = dequantize(Quantized.tensorwise(a, scale_a)) @ dequantize(Quantized.tensorwise(b, scale_b)).t()

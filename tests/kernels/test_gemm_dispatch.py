@@ -93,19 +93,16 @@ def test_vmapped_gemm_runs_the_batch_gemm(cuda):
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def _loop_reference(a, b, scale_a, scale_b, out_dtype, bias, runs=None):
-    """The grouped GEMM's definition: one te_func GEMM a group, from te_func.gemm's own path."""
+def _loop_reference(a, b, scale_a, scale_b, out_dtype, bias, runs=None, fast_accum=False):
+    """The grouped GEMM's definition: one te_func GEMM a group (`gemm` on its tensor-wise casts)."""
     from te_func.quant import Quantized
     outs = []
     for g in range(b.shape[0]):
         rows = a[g] if runs is None else a[runs[g][0]:runs[g][1]]
         s_a, s_b = (s.reshape(-1).expand(b.shape[0])[g] for s in (scale_a, scale_b))
         bias_g = None if bias is None else bias[g] if bias.dim() == 2 else bias
-        if a.dtype == b.dtype == E5M2:      # no torch._scaled_mm for the pair: gemm's emulation
-            outs.append(gemm(Quantized.tensorwise(rows, s_a), Quantized.tensorwise(b[g], s_b), out_dtype, bias=bias_g))
-        else:
-            outs.append(torch._scaled_mm(rows, b[g].t(), scale_a=s_a, scale_b=s_b, out_dtype=out_dtype,
-                                         bias=None if bias_g is None else bias_g.to(out_dtype)))
+        outs.append(gemm(Quantized.tensorwise(rows, s_a), Quantized.tensorwise(b[g], s_b), out_dtype,
+                         fast_accum=fast_accum, bias=bias_g))
     return outs
 
 
@@ -126,7 +123,7 @@ def test_grouped_gemm_is_a_loop_of_gemms_bit_for_bit(dtypes, bias):
     assert torch.equal(got, torch.stack(_loop_reference(a, b, scale_a, scale_b, out_dtype, biases)))
     shared = b[:1].expand(g, n, k)          # one weight, per-group inputs and scales
     got = _grouped_scaled_mm(a, shared, scale_a, scale_b, out_dtype, True, biases)
-    assert torch.equal(got, torch.stack(_loop_reference(a, shared, scale_a, scale_b, out_dtype, biases)))
+    assert torch.equal(got, torch.stack(_loop_reference(a, shared, scale_a, scale_b, out_dtype, biases, None, True)))
 
 
 @pytest.mark.parametrize("counts", [[10, 0, 45, 15], [70, 0, 0, 0], [0, 0, 0, 0], [5, 5, 5, 5]], ids=str)
@@ -185,15 +182,16 @@ def test_grouped_gemm_over_runs_along_k_is_a_weight_gradient_a_run(counts):
     from te_func.gemm import _grouped_scaled_mm
     torch.manual_seed(3)
     t, m, n = 96, 32, 48
+    from te_func.quant import Quantized
     a, b = (torch.randn(m, t) * 8).to(E5M2), (torch.randn(n, t) * 8).to(E4M3)
     scale_a, scale_b = torch.rand(len(counts)) + 0.5, torch.tensor(0.5)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     got = _grouped_scaled_mm(a, b, scale_a, scale_b, torch.float32, False, None, offs)
     ends = offs.tolist()
     for g, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
-        want = torch.zeros(m, n) if end == start else torch._scaled_mm(
-            a[:, start:end].contiguous(), b[:, start:end].contiguous().t(), scale_a=scale_a[g], scale_b=scale_b,
-            out_dtype=torch.float32)
+        want = torch.zeros(m, n) if end == start else gemm(
+            Quantized.tensorwise(a[:, start:end], scale_a[g]), Quantized.tensorwise(b[:, start:end], scale_b),
+            torch.float32, fast_accum=False)
         assert torch.equal(got[g], want), g
     torch.library.opcheck(_grouped_scaled_mm, (a, b, scale_a, scale_b, torch.float32, False, None, offs),
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
