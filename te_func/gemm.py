@@ -8,7 +8,7 @@ from . import kernels
 from .quant import Quantized, dequantize, nvfp4
 from .quant.tensor import batched_by_vmap, nvfp4_block_values
 
-__all__ = ["gemm", "weight_only_gemm", "native_fp8_gemm_available"]
+__all__ = ["gemm", "grouped_gemm", "weight_only_gemm", "native_fp8_gemm_available"]
 
 
 def native_fp8_gemm_available(device: torch.device) -> bool:
@@ -255,6 +255,16 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool
         a_bf16, b_bf16 = dequantize(a, torch.bfloat16), dequantize(b, torch.bfloat16).t()
         return a_bf16 @ b_bf16 if bias is None else torch.addmm(bias, a_bf16, b_bf16)
     return _rounded(dequantize(a) @ dequantize(b).t(), bias, out_dtype)
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                 out_dtype: torch.dtype, *, fast_accum: bool, bias: torch.Tensor | None = None,
+                 offs: torch.Tensor | None = None) -> torch.Tensor:
+    """G tensor-wise FP8 GEMMs in one call (te_func::grouped_scaled_mm, whose docstring gives the
+    layouts): FP8 data and their scale_invs, one per group or one for all. No derivative: the
+    layers' ops differentiate around it, as around `gemm`."""
+    detached = [None if t is None else t.detach() for t in (a, b, scale_a, scale_b, bias)]
+    return _grouped_scaled_mm(*detached[:4], out_dtype, fast_accum, detached[4], offs)
 
 
 def weight_only_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,12 +7,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..ops import GroupedLinearFP8, call
-from ..quant import Gemm
+from ..ops import GroupedLinearFP8, GroupedLinearRunsFP8, call
+from ..quant import Gemm, scheme_for
+from ..quant.tensor import batched_by_vmap
 from ._common import autocast_input, check_input, first_microbatch
 from ._gemm import GemmStep
 
-__all__ = ["grouped_linear", "split_sizes", "fp8_split_sizes", "grouped_gemms"]
+__all__ = ["grouped_linear", "split_sizes", "fp8_split_sizes", "grouped_gemms", "device_offsets"]
 
 
 def grouped_gemms(num_gemms: int) -> tuple[Gemm, ...]:
@@ -63,6 +64,30 @@ def fp8_split_sizes(m_splits, num_gemms: int, tokens: int, recipe, layer: str = 
     return split_sizes(m_splits, num_gemms, tokens, layer)
 
 
+def device_offsets(m_splits, num_gemms: int, x: torch.Tensor, recipe, batch_scales: bool,
+                   layer: str = "GroupedLinear") -> torch.Tensor | None:
+    """The groups' ends (G,) int32 on x's device, where m_splits is a 1-D integer tensor and the
+    recipe scales every role tensor-wise (current and delayed scaling, no backward_override) outside
+    batch scope and vmap: those calls run with no host sync (GroupedLinearRunsFP8). Else None.
+    The counts are checked on the device (non-negative, summing to the tokens); a CPU tensor given
+    eagerly is checked on the host first, with `split_sizes`' message."""
+    if (recipe is None or not isinstance(m_splits, torch.Tensor) or batch_scales
+            or recipe.backward_override is not None or batched_by_vmap(x) or batched_by_vmap(m_splits)):
+        return None
+    if any(s.block is not None or s.nvfp4 for s in (scheme_for(recipe, r) for r in ("input", "weight", "grad"))):
+        return None
+    if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.dtype.is_complex \
+            or m_splits.dtype == torch.bool or m_splits.shape[0] != num_gemms:
+        split_sizes(m_splits, num_gemms, x.shape[0], layer)        # its error says what is wrong
+    if m_splits.device.type == "cpu" and not torch.compiler.is_compiling():
+        split_sizes(m_splits, num_gemms, x.shape[0], layer)
+    counts = m_splits.to(device=x.device)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    torch._assert_async((counts >= 0).all() & (offs[-1] == x.shape[0]),
+                        f"{layer}: m_splits must be non-negative and sum to the number of input tokens")
+    return offs
+
+
 def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
                    biases: Sequence[torch.Tensor | None] | None = None, *, recipe=None,
                    workspace: dict | None = None, is_first_microbatch: bool | None = None,
@@ -87,9 +112,11 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
     check_input(layer, inp, in_features, {**{f"weight{i}": w for i, w in enumerate(weights)},
                                           **{f"bias{i}": b for i, b in enumerate(biases)}}, recipe)
     x = inp.reshape(-1, in_features)                                                # (tokens, in)
-    sizes = fp8_split_sizes(m_splits, n, x.shape[0], recipe, layer)
+    offs = device_offsets(m_splits, n, x, recipe, batch_scales, layer)
+    sizes = None if offs is not None else fp8_split_sizes(m_splits, n, x.shape[0], recipe, layer)
     workspace = {} if workspace is None else workspace
     if recipe is None:
+        assert sizes is not None        # device counts run only under a recipe (device_offsets)
         outs = [F.linear(xi, w.to(x.dtype), None if b is None else b.to(x.dtype))
                 for xi, w, b in zip(torch.split(x, sizes), weights, biases)]
         out, entries = torch.cat(outs), {}
@@ -99,7 +126,9 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
         steps = [GemmStep.begin(g, w, recipe, workspace, ifm, update_state, batch_scales)
                  for g, w in zip(grouped_gemms(n), weights)]
         tensors = {k: v for st in steps for k, v in st.tensors().items()}
-        res = call(GroupedLinearFP8(tuple(st.slot for st in steps)), x=x, **{f"m{i}": m for i, m in enumerate(sizes)},
+        slots = tuple(st.slot for st in steps)
+        groups = {"offs": offs} if sizes is None else {f"m{i}": m for i, m in enumerate(sizes)}
+        res = call(GroupedLinearFP8(slots) if sizes is not None else GroupedLinearRunsFP8(slots), x=x, **groups,
                    **{f"weight{i}": w for i, w in enumerate(weights)},
                    **{f"bias{i}": b for i, b in enumerate(biases)}, **tensors)
         out = res["out"]                                                            # (tokens, out)

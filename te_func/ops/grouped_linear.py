@@ -5,13 +5,15 @@ equals a loop of Linear layers bit for bit; each has its own DelayedScaling stat
 group records an amax of 0."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from ..gemm import grouped_gemm
+from ..quant import cast_runs, record_run_amaxes, run_amaxes, run_ids, scale_from_amax
 from .gemm_layer import GemmSlot
 
-__all__ = ["GroupedLinearFP8"]
+__all__ = ["GroupedLinearFP8", "GroupedLinearRunsFP8"]
 
 
 @dataclass(frozen=True)
@@ -65,3 +67,112 @@ class GroupedLinearFP8:
             dxs.append(dx)
             out.update({f"weight{i}": dw, f"bias{i}": ctx.cast(f"bias{i}", gi.sum(0)), **sink})
         return {"x": torch.cat(dxs) if ctx.need["x"] else None, **out}
+
+
+@dataclass(frozen=True)
+class GroupedLinearRunsFP8:
+    """GroupedLinear with its groups' token counts on the device (`offs`, the groups' ends, int32):
+    no host sync, one grouped FP8 GEMM per direction (te_func.gemm's grouped GEMM), each group still
+    quantized on its own scale as TE's one quantizer per GEMM: the casts, states and GEMMs of
+    GroupedLinearFP8 (bit for bit where a loop of GEMMs runs; the bias gradients are summed in
+    fp32 in another order). Tensor-wise schemes (current and delayed scaling) without
+    backward_override; the slots share one config.
+    inputs: x (tokens, in), offs (G,), weight{i}, bias{i} (all or none), slot i's tensors."""
+    slots: tuple[GemmSlot, ...]
+    differentiable = ("out",)
+
+    @property
+    def outputs(self):
+        return ("out", "x_t", "x_t_scale_inv", *(k for slot in self.slots for k in slot.outputs))
+
+    @property
+    def carried(self):
+        return {k: v for slot in self.slots for k, v in slot.carried.items()}
+
+    @property
+    def saved(self):
+        names = ("w_t", "w_t_scale_inv", "g_record", "g_scale")
+        return ("offs", "x_t", "x_t_scale_inv", *(slot._n(k) for slot in self.slots for k in names))
+
+    @property
+    def primals(self):
+        return ("x", *(f"{k}{i}" for i in range(len(self.slots)) for k in ("weight", "bias")))
+
+    @property
+    def linearization_inputs(self):
+        return ("x", "offs", *(f"bias{i}" for i in range(len(self.slots))),
+                *(k for slot in self.slots for k in slot.linearization_reads))
+
+    def _stack(self, t: dict, name: str) -> torch.Tensor:
+        return torch.stack([t[slot._n(name)] for slot in self.slots])
+
+    def _biases(self, t: dict) -> torch.Tensor | None:
+        biases = [t[f"bias{i}"] for i in range(len(self.slots))]
+        return None if biases[0] is None else torch.stack(biases)
+
+    def linearized(self, t):
+        # Forward-mode and higher derivatives (rare paths): the groups' sizes read on the host.
+        sizes = torch.diff(t["offs"], prepend=t["offs"].new_zeros(1)).tolist()
+        outs = [slot.linearized(t, xi, t[f"bias{i}"])
+                for i, (slot, xi) in enumerate(zip(self.slots, torch.split(t["x"], sizes)))]
+        return {"out": torch.cat(outs)}
+
+    def _scales(self, t: dict, s, amaxes: torch.Tensor, role: str):
+        """The runs' scales (G,) and new records (G of them, or None): a delayed role's from its
+        states, which record the runs' amaxes; a current one's from the amaxes."""
+        if s.rule == "delayed":
+            records = record_run_amaxes(self._stack(t, f"{role}_record"), amaxes)
+            return self._stack(t, f"{role}_scale"), records.unbind(0)
+        return scale_from_amax(amaxes, s.fp8_max, s.amax_epsilon, s.power_2_scale), None
+
+    def forward(self, t):
+        cfg, x, offs = self.slots[0].cfg, t["x"], t["offs"]
+        ids = run_ids(offs, x.shape[0])
+        scales, records = self._scales(t, cfg.input, run_amaxes(x, ids, len(self.slots)), "x")
+        xq, x_scale_inv = cast_runs(x, ids, scales, cfg.input)
+        out = grouped_gemm(xq, self._stack(t, "w"), x_scale_inv, self._stack(t, "w_scale_inv"), x.dtype,
+                           fast_accum=cfg.fast_accum[0], bias=self._biases(t), offs=offs)
+        state = {}
+        for i, slot in enumerate(self.slots):
+            g_record = t[slot._n("g_record")]
+            state[slot._n("new_x_record")] = None if records is None else records[i]
+            # a copy: a Function may not return an input as it is
+            state[slot._n("new_g_record")] = None if g_record is None else g_record.clone()
+        saved = (xq.t().contiguous(), x_scale_inv) if any(sl.cfg.save_input for sl in self.slots) else (None, None)
+        return {"out": out, "x_t": saved[0], "x_t_scale_inv": saved[1], **state}
+
+    def backward(self, s, grads, ctx):
+        cfg, g, offs, n = self.slots[0].cfg, grads["out"], s["offs"], len(self.slots)
+        need_dw = any(ctx.need[f"weight{i}"] for i in range(n))
+        if need_dw and s["x_t"] is None:
+            raise RuntimeError("te_func: a GroupedLinear weight's gradient was requested but the forward ran "
+                               "without saving the GEMMs' input (the weights did not require grad then)")
+        ids = run_ids(offs, g.shape[0])
+        amaxes = run_amaxes(g, ids, n)
+        grad_scheme = cfg.grad
+        if grad_scheme.rule == "delayed" and ctx.second_order:
+            # As GemmSlot: second-order cotangents scaled from their own amax, recorded nowhere.
+            grad_scheme = replace(grad_scheme, rule="current", margin=0)
+        sinks: dict = {}
+        if grad_scheme.rule == "delayed":
+            scales = self._stack(s, "g_scale")
+            for i, slot in enumerate(self.slots):   # this backward's amax in a zero history (backward_amax)
+                history = s[slot._n("g_record")]
+                sinks[slot._n("g_sink")] = torch.cat([amaxes[i:i + 1], history.new_zeros(history.shape[0] - 1)])
+        else:
+            scales = scale_from_amax(amaxes, grad_scheme.fp8_max, grad_scheme.amax_epsilon, grad_scheme.power_2_scale)
+            sinks = {slot._n("g_sink"): None for slot in self.slots}
+        gq, g_scale_inv = cast_runs(g, ids, scales, grad_scheme)
+        out: dict = {"x": None}
+        if ctx.need["x"]:
+            out["x"] = grouped_gemm(gq, self._stack(s, "w_t"), g_scale_inv, self._stack(s, "w_t_scale_inv"),
+                                    ctx.dtype["x"], fast_accum=cfg.fast_accum[1], offs=offs)
+        if need_dw:
+            w_dtype = next(ctx.dtype[f"weight{i}"] for i in range(n) if ctx.need[f"weight{i}"])
+            dw = grouped_gemm(gq.t().contiguous(), s["x_t"], g_scale_inv, s["x_t_scale_inv"], w_dtype,
+                              fast_accum=cfg.fast_accum[2], offs=offs)
+            out.update({f"weight{i}": ctx.cast(f"weight{i}", dw[i]) for i in range(n)})
+        if any(ctx.need.get(f"bias{i}") for i in range(n)):
+            sums = g.new_zeros((n, g.shape[1]), dtype=torch.float32).index_add_(0, ids, g.float())
+            out.update({f"bias{i}": ctx.cast(f"bias{i}", sums[i]) for i in range(n)})
+        return {**out, **sinks}

@@ -13,7 +13,8 @@ from . import nvfp4
 from .scheme import Scheme, e8m0_scale_inv, e8m0_to_float, scale_from_amax, scheme_for
 
 __all__ = ["Quantized", "DelayedState", "BatchAmax", "quantize", "quantize_with_transpose",
-           "quantize_scheme", "dequantize", "transpose", "record_amax", "cast_with_scale", "nvfp4_block_values"]
+           "quantize_scheme", "dequantize", "transpose", "record_amax", "cast_with_scale", "nvfp4_block_values",
+           "run_ids", "run_amaxes", "record_run_amaxes", "cast_runs"]
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,31 @@ def _compiled_cast(x: torch.Tensor, s: Scheme, amax: torch.Tensor | None) -> Qua
 def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, s: Scheme) -> Quantized:
     """The tensor-wise cast of `x` with a given scale () fp32 (as quantize_scheme, given the scale)."""
     return Quantized.tensorwise(_cast(x, scale, s), torch.reciprocal(scale))
+
+
+# --- runs of rows, each cast on its own (GroupedLinear's groups with their counts on the device) -----
+
+def run_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """The run each of `rows` rows belongs to, from the runs' ends `offs` (G,) int32, on the device."""
+    ids = torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
+    return ids.clamp_(max=offs.shape[0] - 1)      # rows past the last run (refused by the caller) stay in bounds
+
+
+def run_amaxes(x: torch.Tensor, ids: torch.Tensor, runs: int) -> torch.Tensor:
+    """`amax_of` each run of x's rows (G,) fp32: max |x|, NaN skipped, 0 for an empty run."""
+    rows = abs_skipping_nan(x).amax(1) if x.shape[1] else x.new_zeros(x.shape[0], dtype=torch.float32)
+    return torch.zeros(runs, dtype=torch.float32, device=x.device).scatter_reduce(0, ids, rows, "amax")
+
+
+def record_run_amaxes(histories: torch.Tensor, amaxes: torch.Tensor) -> torch.Tensor:
+    """`record_amax` of each run's history (G, L) with its amax (G,), as G calls of it record them."""
+    return torch.cat([torch.maximum(histories[:, :1], amaxes[:, None]), histories[:, 1:]], 1)
+
+
+def cast_runs(x: torch.Tensor, ids: torch.Tensor, scales: torch.Tensor, s: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each run of x's rows cast with its own tensor-wise scale (G,): (data (rows, cols), scale_inv (G,)),
+    the bits of `cast_with_scale` run by run."""
+    return _cast(x, scales[ids][:, None], s), torch.reciprocal(scales)
 
 
 def _quantize_nvfp4(x: torch.Tensor, s: Scheme, rng: torch.Tensor | None, stream: int,

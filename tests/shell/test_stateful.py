@@ -380,6 +380,43 @@ def test_grouped_linear_with_new_routing_every_step_does_not_recompile_per_routi
     assert torch.equal(numpy_ints, eager)
 
 
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DELAYED], ids=["current", "delayed"])
+def test_grouped_linear_with_device_counts_compiles_once_and_trains_as_the_list_splits(recipe):
+    """m_splits as a tensor of counts (current and delayed scaling): one grouped GEMM a direction
+    with the counts on the device, so a compiled shell makes one graph while the counts change
+    every step (empty groups and all tokens in one group included) and reads nothing back to the
+    host; the outputs, weight gradients and workspaces are the list splits' bit for bit, the
+    bias gradients to fp32 summation order."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = tef.nn.GroupedLinear(3, 32, 16)
+    listed, counted = tef.Stateful(copy.deepcopy(layer), recipe), tef.Stateful(copy.deepcopy(layer), recipe)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(counted, fullgraph=True, backend=counter)
+    for splits in ([10, 0, 38], [48, 0, 0], [16, 16, 16], [0, 40, 8]):
+        x = torch.randn(48, 32)
+        want = listed(x, splits)
+        got = compiled(x, torch.tensor(splits))
+        assert torch.equal(got, want)
+        cot = torch.randn_like(want)
+        (want * cot).sum().backward()
+        (got * cot).sum().backward()
+    assert counter.frame_count == 1
+    for (name, p), q in zip(listed.model.named_parameters(), counted.model.parameters()):
+        if name.startswith("bias"):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-6), name
+        else:
+            assert torch.equal(p.grad, q.grad), name
+    assert listed.workspaces.keys() == counted.workspaces.keys()
+    for k, v in listed.workspaces.items():
+        assert torch.equal(v, counted.workspaces[k]), k
+    # Counts that do not add up: checked on the device (compiled), on the host for a CPU tensor (eager).
+    with pytest.raises(RuntimeError, match="sum to the number of input tokens"):
+        compiled(torch.randn(48, 32), torch.tensor([10, 10, 10]))
+    with pytest.raises(ValueError, match="sum to the number of input tokens"):
+        counted(torch.randn(48, 32), torch.tensor([10, 10, 10]))
+
+
 @pytest.mark.parametrize("recipe", FP8)
 def test_torch_autocast_sets_the_output_dtype_and_leaves_the_fp8_math_exact(recipe):
     model = torch.nn.Sequential(tef.nn.Linear(32, 48), torch.nn.GELU(), tef.nn.Linear(48, 16))
