@@ -76,6 +76,11 @@ def _grouped_inputs(batch, dtype):
     return (torch.randn(batch, 8, 64, dtype=dtype), [3 * batch, 0, 5 * batch])
 
 
+def _grouped_counts(batch, dtype):
+    x, splits = _grouped_inputs(batch, dtype)
+    return x, torch.tensor(splits)
+
+
 LAYERS = [
     LayerCase("Linear", lambda dt: tef.nn.Linear(64, 48, params_dtype=dt), _tokens(64)),
     LayerCase("LayerNorm", lambda dt: tef.nn.LayerNorm(64, params_dtype=dt), _tokens(64)),
@@ -97,6 +102,11 @@ LAYERS = [
               skip_recipes=("mxfp8", "block", "current-bwd-dequantized", "block-bwd-high-precision", "nvfp4")),
     LayerCase("GroupedLinear", lambda dt: tef.nn.GroupedLinear(3, 64, 48, params_dtype=dt), _grouped_inputs,
               per_sample=False),
+    # The counts as a tensor: under the tensor-wise recipes the groups stay on the device (one grouped
+    # GEMM a direction, no host sync); the others read the tensor on the host, as the list row runs.
+    LayerCase("GroupedLinear-counts", lambda dt: tef.nn.GroupedLinear(3, 64, 48, params_dtype=dt), _grouped_counts,
+              per_sample=False, slow_recipes=("delayed",),
+              skip_recipes=("mxfp8", "block", "current-bwd-dequantized", "block-bwd-high-precision", "nvfp4")),
 ]
 
 

@@ -122,7 +122,8 @@ class GroupedLinearRunsFP8:
         states, which record the runs' amaxes; a current one's from the amaxes."""
         if s.rule == "delayed":
             records = record_run_amaxes(self._stack(t, f"{role}_record"), amaxes)
-            return self._stack(t, f"{role}_scale"), records.unbind(0)
+            # Each its own tensor: workspace entries share no storage (checkpoints refuse it).
+            return self._stack(t, f"{role}_scale"), [r.clone() for r in records.unbind(0)]
         return scale_from_amax(amaxes, s.fp8_max, s.amax_epsilon, s.power_2_scale), None
 
     def forward(self, t):
