@@ -103,10 +103,12 @@ LAYERS = [
     LayerCase("GroupedLinear", lambda dt: tef.nn.GroupedLinear(3, 64, 48, params_dtype=dt), _grouped_inputs,
               per_sample=False),
     # The counts as a tensor: under the tensor-wise recipes the groups stay on the device (one grouped
-    # GEMM a direction, no host sync); the others read the tensor on the host, as the list row runs.
+    # GEMM a direction, no host sync). The other recipes read the tensor on the host and run as the
+    # list row (tests/layers/test_layers.py checks they are the list's bit for bit): left out, for CI time.
     LayerCase("GroupedLinear-counts", lambda dt: tef.nn.GroupedLinear(3, 64, 48, params_dtype=dt), _grouped_counts,
               per_sample=False, slow_recipes=("delayed",),
-              skip_recipes=("mxfp8", "block", "current-bwd-dequantized", "block-bwd-high-precision", "nvfp4")),
+              skip_recipes=("bf16", "mxfp8", "block", "current-bwd-dequantized", "block-bwd-high-precision",
+                            "nvfp4")),
 ]
 
 

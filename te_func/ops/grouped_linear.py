@@ -149,6 +149,14 @@ class GroupedLinearRunsFP8:
             raise RuntimeError("te_func: a GroupedLinear weight's gradient was requested but the forward ran "
                                "without saving the GEMMs' input (the weights did not require grad then)")
         ids = run_ids(offs, g.shape[0])
+        out: dict = {"x": None}
+        if any(ctx.need.get(f"bias{i}") for i in range(n)):
+            sums = g.new_zeros((n, g.shape[1]), dtype=torch.float32).index_add_(0, ids, g.float())
+            out.update({f"bias{i}": ctx.cast(f"bias{i}", sums[i]) for i in range(n)})
+        if not (ctx.need["x"] or need_dw):      # as GemmSlot: no cast; a history's sink records nothing
+            records = cfg.grad.rule == "delayed" and not ctx.second_order
+            return {**out, **{slot._n("g_sink"): torch.zeros_like(s[slot._n("g_record")]) if records else None
+                              for slot in self.slots}}
         amaxes = run_amaxes(g, ids, n)
         grad_scheme = cfg.grad
         if grad_scheme.rule == "delayed" and ctx.second_order:
@@ -164,7 +172,6 @@ class GroupedLinearRunsFP8:
             scales = scale_from_amax(amaxes, grad_scheme.fp8_max, grad_scheme.amax_epsilon, grad_scheme.power_2_scale)
             sinks = {slot._n("g_sink"): None for slot in self.slots}
         gq, g_scale_inv = cast_runs(g, ids, scales, grad_scheme)
-        out: dict = {"x": None}
         if ctx.need["x"]:
             out["x"] = grouped_gemm(gq, self._stack(s, "w_t"), g_scale_inv, self._stack(s, "w_t_scale_inv"),
                                     ctx.dtype["x"], fast_accum=cfg.fast_accum[1], offs=offs)
@@ -173,7 +180,4 @@ class GroupedLinearRunsFP8:
             dw = grouped_gemm(gq.t().contiguous(), s["x_t"], g_scale_inv, s["x_t_scale_inv"], w_dtype,
                               fast_accum=cfg.fast_accum[2], offs=offs)
             out.update({f"weight{i}": ctx.cast(f"weight{i}", dw[i]) for i in range(n)})
-        if any(ctx.need.get(f"bias{i}") for i in range(n)):
-            sums = g.new_zeros((n, g.shape[1]), dtype=torch.float32).index_add_(0, ids, g.float())
-            out.update({f"bias{i}": ctx.cast(f"bias{i}", sums[i]) for i in range(n)})
         return {**out, **sinks}

@@ -417,6 +417,25 @@ def test_grouped_linear_with_device_counts_compiles_once_and_trains_as_the_list_
         counted(torch.randn(48, 32), torch.tensor([10, 10, 10]))
 
 
+def test_grouped_linear_with_device_counts_training_only_its_biases_records_as_the_list_splits():
+    """Frozen weights and an input without grad: backward computes the bias gradients alone, casts
+    nothing and records no gradient amax, with a tensor of counts as with a list."""
+    torch.manual_seed(1)
+    layer = tef.nn.GroupedLinear(3, 32, 16)
+    for name, p in layer.named_parameters():
+        p.requires_grad_(name.startswith("bias"))
+    listed, counted = tef.Stateful(copy.deepcopy(layer), DELAYED), tef.Stateful(copy.deepcopy(layer), DELAYED)
+    x, splits = torch.randn(48, 32), [20, 0, 28]
+    listed(x, splits).sum().backward()
+    counted(x, torch.tensor(splits)).sum().backward()
+    for (name, p), q in zip(listed.model.named_parameters(), counted.model.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.allclose(p.grad, q.grad)), name
+    listed(x, splits)           # the next forward merges what the backwards left
+    counted(x, torch.tensor(splits))
+    for k, v in listed.workspaces.items():
+        assert torch.equal(v, counted.workspaces[k]), k
+
+
 @pytest.mark.parametrize("recipe", FP8)
 def test_torch_autocast_sets_the_output_dtype_and_leaves_the_fp8_math_exact(recipe):
     model = torch.nn.Sequential(tef.nn.Linear(32, 48), torch.nn.GELU(), tef.nn.Linear(48, 16))
