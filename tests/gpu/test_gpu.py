@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 import te_func as tef
 import te_func.gemm as gemm_module
@@ -555,3 +556,37 @@ def test_weight_only_fp8_on_cuda_matches_float64(cuda, recipe):
         assert dispatch.calls["fused"] - before >= (4 if isinstance(recipe, (Float8CurrentScaling, DelayedScaling)) else 0)
         # FP4 weights (3-bit E2M1) sit near 12 dB (12.6 measured on the H200), FP8 ones above 20.
         assert sqnr(ref(x.double()), small(x).double()) > (10 if is_fp4(recipe) else 20)
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
+def test_grouped_linear_with_device_counts_on_cuda(cuda, recipe):
+    """GroupedLinear with a tensor of counts on the GPU runs the grouped kernel each direction: its
+    casts and amax histories are the list splits' (one _scaled_mm a group) bit for bit, its outputs
+    and gradients meet theirs at fp32 accumulation order (the kernel sums in another order: FP8 noise
+    apart once a gradient is cast again); compiled (inductor) equals eager to the same order, with
+    one graph over changing counts."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = tef.nn.GroupedLinear(4, 256, 512, device=cuda)
+    listed, counted = tef.Stateful(copy.deepcopy(layer), recipe), tef.Stateful(copy.deepcopy(layer), recipe)
+    compiled_shell = tef.Stateful(copy.deepcopy(layer), recipe)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(compiled_shell, fullgraph=True, backend=counter)
+    for splits in ([256, 0, 512, 256], [1024, 0, 0, 0], [128, 384, 256, 256]):
+        x = torch.randn(1024, 256, device=cuda)
+        cot = torch.randn(1024, 512, device=cuda)
+        want = listed(x, splits)
+        got = counted(x, torch.tensor(splits, device=cuda))
+        got_c = compiled(x, torch.tensor(splits, device=cuda))
+        assert sqnr(want, got) > 80 and sqnr(got, got_c) > 80
+        for out in (want, got, got_c):
+            (out * cot).sum().backward()
+    assert counter.frame_count == 1
+    for k, v in listed.workspaces.items():
+        if k.endswith("_amax_history") and "grad" not in k:     # the inputs' amaxes: exact
+            assert torch.equal(v, counted.workspaces[k]), k
+        elif k.endswith("_amax_history"):   # the gradients': of outputs that differ in the last bits
+            assert torch.allclose(v, counted.workspaces[k], rtol=1e-3), k
+    for (name, p), q, c in zip(listed.model.named_parameters(), counted.model.parameters(),
+                               compiled_shell.model.parameters()):
+        assert sqnr(p.grad, q.grad) > 40 and sqnr(q.grad, c.grad) > 40, name
