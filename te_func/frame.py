@@ -20,7 +20,8 @@ from .nn import TEModule
 from .nn.frozen import FrozenLayer
 from .nn.context import NO_CACHE, CallScope, Frame, open_call_scopes, push, push_call_scope
 from .quant import lower
-from .quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, Entry, fingerprint_entry, is_cast_key
+from .quant.workspace import (FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, Entry, fingerprint_entry, is_cast_key,
+                              may_carry_backward_state)
 from .recipe import RECIPES, Recipe, describe, difference, fingerprint, recipe_of
 
 __all__ = ["init_workspaces", "functional_call", "autocast", "grad", "value_and_grad", "workspace_spec",
@@ -445,9 +446,10 @@ def _split_aux(out, fn_name: str, has_aux: bool):
                     f"returned{hint}")
 
 
-def _carries_state(t) -> bool:
-    # The entries a backward can write to (amax histories are float32); the frame says which did.
-    return isinstance(t, torch.Tensor) and t.dtype == torch.float32
+def _carries_state(key: str, t) -> bool:
+    # The entries a backward can write to (gradient amaxes, float32); the frame says which did.
+    # Each one differentiated is wrapped and unwrapped by torch.func, traced by torch.compile.
+    return may_carry_backward_state(key) and isinstance(t, torch.Tensor) and t.dtype == torch.float32
 
 
 def _grad_and_value(fn, argnums, has_aux, fn_name, args, kwargs):
@@ -462,7 +464,7 @@ def _grad_and_value(fn, argnums, has_aux, fn_name, args, kwargs):
                          f"parameters; their backward-time updates come back in new_ws")
     # Only the functional_calls inside fn know which entries backward updates: differentiate every
     # entry that can carry such state, and merge those the calls declare (Entry.backward).
-    state = {k: v for k, v in args[1].items() if _carries_state(v)}
+    state = {k: v for k, v in args[1].items() if _carries_state(k, v)}
     scope = CallScope(differentiated={})
     # FSDP-sharded parameters: gathered before, gradients reduce-scattered after.
     args, shard_specs = distributed.gathered_for_grad(args, nums)

@@ -81,6 +81,14 @@ def is_cast_key(key: str) -> bool:
     return head.endswith("_cast") and field in CAST_FIELDS
 
 
+def may_carry_backward_state(key: str) -> bool:
+    """Whether `key` (op-local or prefixed) can name an entry a backward writes (Entry.backward):
+    an output gradient's amax history (DelayedScaling) or its batch amax (batch scope). Read from
+    the name, as Gemm.state_names makes it: tef.grad picks what to differentiate before the calls
+    inside it declare their entries."""
+    return key.endswith(("grad_amax_history", "grad_batch_amax"))
+
+
 def cast_entries(shape: tuple[int, int], s: Scheme) -> dict[str, Entry]:
     """The entries of the cast of a weight of `shape` (out, in) by scheme `s`."""
     out_f, in_f = shape

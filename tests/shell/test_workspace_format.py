@@ -57,6 +57,21 @@ def test_key_lists_and_shapes_of_every_layer_and_recipe_are_pinned():
         "the workspace format changed: if on purpose, rerun with TE_FUNC_UPDATE_GOLDEN=1 and bump FORMAT_VERSION"
 
 
+def test_every_entry_a_backward_writes_is_named_as_tef_grad_expects():
+    """tef.grad differentiates only the entries whose names can carry backward state (gradient
+    amax histories, batch amaxes): every entry any layer declares backward-written is among them."""
+    from te_func.quant.workspace import may_carry_backward_state
+    seen = set()
+    for case in LAYERS:
+        model = case.make(torch.float32)
+        for _, recipe in RECIPES:
+            spec = {**tef.workspace_spec(model, recipe), **tef.frame.batch_scope_spec(model, recipe)}
+            backward = [k for k, e in spec.items() if e.backward]
+            assert all(may_carry_backward_state(k) for k in backward), (case.name, backward)
+            seen.update(k.rsplit("_", 2)[-2] for k in backward)
+    assert seen == {"amax", "batch"}      # histories (DelayedScaling) and batch amaxes (batch scope) both met
+
+
 @pytest.mark.parametrize("recipe", ALL)
 @pytest.mark.parametrize("case", LAYERS, ids=lambda c: c.name)
 def test_keys_are_plain_names_and_no_two_entries_share_storage(case, recipe):
