@@ -140,13 +140,12 @@ def _groups(a, b, scale_a, scale_b, bias, offs) -> list[tuple[torch.Tensor, torc
 
 
 def _one_gemm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum) -> torch.Tensor:
-    """One group's GEMM as `gemm` runs a tensor-wise pair here: torch._scaled_mm on an FP8 GPU where
-    it takes the pair, else the fp32 emulation."""
-    native = native_fp8_gemm_available(a.device) and a.shape[-1] % 16 == 0 and b.shape[0] % 16 == 0
-    if native and not (a.dtype == b.dtype == torch.float8_e5m2):
+    """One group's GEMM, as `gemm` runs the pair; where that is torch._scaled_mm, through the op that
+    aligns a group's slice (and its scale's element) for cuBLAS."""
+    qa, qb = Quantized.tensorwise(a, scale_a), Quantized.tensorwise(b, scale_b)
+    if _use_scaled_mm(qa, qb):
         return _batched_scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, bias)
-    product = dequantize(Quantized.tensorwise(a, scale_a)) @ dequantize(Quantized.tensorwise(b, scale_b)).t()
-    return _rounded(product, bias, out_dtype)
+    return gemm(qa, qb, out_dtype, fast_accum=fast_accum, bias=bias)
 
 
 @_grouped_scaled_mm.register_fake

@@ -16,6 +16,13 @@ from .gemm_layer import GemmSlot
 __all__ = ["GroupedLinearFP8", "GroupedLinearRunsFP8"]
 
 
+def _linearized(slots, t: dict, sizes) -> dict:
+    """Each group's slot linearized on its rows: (tokens, out)."""
+    outs = [slot.linearized(t, xi, t[f"bias{i}"])
+            for i, (slot, xi) in enumerate(zip(slots, torch.split(t["x"], sizes)))]
+    return {"out": torch.cat(outs)}
+
+
 @dataclass(frozen=True)
 class GroupedLinearFP8:
     """inputs: x (tokens, in), m{i} (group i's token count), weight{i} (out, in), bias{i} or None,
@@ -48,9 +55,7 @@ class GroupedLinearFP8:
                 *(k for slot in self.slots for k in slot.linearization_reads))
 
     def linearized(self, t):
-        outs = [slot.linearized(t, xi, t[f"bias{i}"])
-                for i, (slot, xi) in enumerate(zip(self.slots, torch.split(t["x"], self._splits(t))))]
-        return {"out": torch.cat(outs)}                                          # (tokens, out)
+        return _linearized(self.slots, t, self._splits(t))
 
     def forward(self, t):
         outs, state = [], {}
@@ -112,10 +117,7 @@ class GroupedLinearRunsFP8:
 
     def linearized(self, t):
         # Forward-mode and higher derivatives (rare paths): the groups' sizes read on the host.
-        sizes = torch.diff(t["offs"], prepend=t["offs"].new_zeros(1)).tolist()
-        outs = [slot.linearized(t, xi, t[f"bias{i}"])
-                for i, (slot, xi) in enumerate(zip(self.slots, torch.split(t["x"], sizes)))]
-        return {"out": torch.cat(outs)}
+        return _linearized(self.slots, t, torch.diff(t["offs"], prepend=t["offs"].new_zeros(1)).tolist())
 
     def _scales(self, t: dict, s, amaxes: torch.Tensor, role: str):
         """The runs' scales (G,) and new records (G of them, or None): a delayed role's from its
@@ -154,20 +156,19 @@ class GroupedLinearRunsFP8:
             sums = g.new_zeros((n, g.shape[1]), dtype=torch.float32).index_add_(0, ids, g.float())
             out.update({f"bias{i}": ctx.cast(f"bias{i}", sums[i]) for i in range(n)})
         if not (ctx.need["x"] or need_dw):      # as GemmSlot: no cast; a history's sink records nothing
-            records = cfg.grad.rule == "delayed" and not ctx.second_order
-            return {**out, **{slot._n("g_sink"): torch.zeros_like(s[slot._n("g_record")]) if records else None
+            history = cfg.grad.rule == "delayed" and not ctx.second_order
+            return {**out, **{slot._n("g_sink"): torch.zeros_like(s[slot._n("g_record")]) if history else None
                               for slot in self.slots}}
         amaxes = run_amaxes(g, ids, n)
         grad_scheme = cfg.grad
         if grad_scheme.rule == "delayed" and ctx.second_order:
             # As GemmSlot: second-order cotangents scaled from their own amax, recorded nowhere.
             grad_scheme = replace(grad_scheme, rule="current", margin=0)
-        sinks: dict = {}
         if grad_scheme.rule == "delayed":
             scales = self._stack(s, "g_scale")
-            for i, slot in enumerate(self.slots):   # this backward's amax in a zero history (backward_amax)
-                history = s[slot._n("g_record")]
-                sinks[slot._n("g_sink")] = torch.cat([amaxes[i:i + 1], history.new_zeros(history.shape[0] - 1)])
+            # This backward's amaxes in zero histories, as GemmSlot's backward_amax returns them.
+            records = record_run_amaxes(torch.zeros_like(self._stack(s, "g_record")), amaxes)
+            sinks = {slot._n("g_sink"): r.clone() for slot, r in zip(self.slots, records.unbind(0))}
         else:
             scales = scale_from_amax(amaxes, grad_scheme.fp8_max, grad_scheme.amax_epsilon, grad_scheme.power_2_scale)
             sinks = {slot._n("g_sink"): None for slot in self.slots}

@@ -415,6 +415,10 @@ def test_grouped_linear_with_device_counts_compiles_once_and_trains_as_the_list_
         compiled(torch.randn(48, 32), torch.tensor([10, 10, 10]))
     with pytest.raises(ValueError, match="sum to the number of input tokens"):
         counted(torch.randn(48, 32), torch.tensor([10, 10, 10]))
+    with pytest.raises(ValueError, match="got 2 m_splits for num_gemms=3"):
+        counted(torch.randn(48, 32), torch.tensor([24, 24]))
+    with pytest.raises(TypeError, match="1-D integer tensor"):
+        counted(torch.randn(48, 32), torch.tensor([16.0, 16.0, 16.0]))
 
 
 def test_grouped_linear_with_device_counts_training_only_its_biases_records_as_the_list_splits():
