@@ -1,11 +1,11 @@
 """`tef.convert`: swap a model's torch layers for te_func's, in place, keeping every tensor.
 
 As torchao's `convert_to_float8_training`: nn.Linear, transformers' Conv1D (as TransposedLinear),
-nn.LayerNorm and nn.RMSNorm become te_func's, holding the very Parameter objects of the old
-layer (values, dtype, device, requires_grad and tied weights kept); with recipe None the model
-computes what it did, bit for bit. What te_func cannot run in FP8 (GEMM dims not multiples of
-16, other dtypes, nn.Linear subclasses, 3-D expert weights) is left as it is and reported
-through the `te_func.convert` logger."""
+nn.LayerNorm, nn.RMSNorm and transformers' experts (3-D `gate_up_proj`/`down_proj`, as Experts)
+become te_func's, holding the very Parameter objects of the old layer (values, dtype, device,
+requires_grad and tied weights kept); with recipe None the model computes what it did, bit for
+bit. What te_func cannot run in FP8 (GEMM dims not multiples of 16, other dtypes, nn.Linear
+subclasses, other 3-D weights) is left as it is and reported through the `te_func.convert` logger."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .nn import LayerNorm, Linear, RMSNorm, TEModule, TransposedLinear
+from .nn import Experts, LayerNorm, Linear, RMSNorm, TEModule, TransposedLinear
 
 __all__ = ["convert", "gemm_size", "fp8_pays"]
 
@@ -75,13 +75,77 @@ def _norm(old: nn.LayerNorm | nn.RMSNorm) -> tuple[nn.Module | None, str | None]
     return new, None
 
 
+def _is_hf_experts(module: nn.Module) -> bool:
+    # What transformers' use_experts_implementation gives an experts class: these attributes, and
+    # the experts interface's forward(hidden_states, top_k_index, top_k_weights).
+    return all(hasattr(module, a) for a in ("has_gate", "is_transposed", "is_concatenated", "_is_expert_parallel")) \
+        and isinstance(getattr(module, "down_proj", None), nn.Parameter)
+
+
+def _default_gate():
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except Exception:       # transformers is optional; older ones had no such hook
+        return None
+    return _default_apply_gate
+
+
+def _experts(old: Any) -> tuple[nn.Module | None, str | None]:
+    # old: a transformers experts module, read by its attributes (use_experts_implementation's)
+    up_name = "gate_up_proj" if old.has_gate else "up_proj"
+    up, down = getattr(old, up_name, None), old.down_proj
+    if not isinstance(up, nn.Parameter) or up.dim() != 3 or down.dim() != 3:
+        return None, f"no 3-D {up_name} and down_proj parameters: not the experts layout te_func converts"
+    if old._is_expert_parallel:
+        return None, "expert-parallel experts (sharded by transformers' expert-parallel plan) are not converted"
+    if getattr(old, "has_post_expert_norm", False):
+        return None, "experts with a norm after each expert are not converted"
+    num_experts = up.shape[0]
+    up_out, hidden = (up.shape[2], up.shape[1]) if old.is_transposed else (up.shape[1], up.shape[2])
+    hidden_down, inter = (down.shape[2], down.shape[1]) if old.is_transposed else (down.shape[1], down.shape[2])
+    if hidden_down != hidden or up_out != (2 * inter if old.has_gate else inter) or down.shape[0] != num_experts:
+        return None, f"{up_name} {tuple(up.shape)} and down_proj {tuple(down.shape)} do not make one expert MLP"
+    why = _why_not_linear(hidden, up_out, up) or _why_not_linear(inter, hidden, down)
+    if why:
+        return None, why
+    custom_gate = getattr(type(old), "_apply_gate", None)
+    custom_gate = None if custom_gate is _default_gate() else custom_gate
+    act_fn = getattr(old, "act_fn", None)
+    if custom_gate is None and not isinstance(act_fn, nn.Module):
+        return None, "experts without an act_fn module or a gate of their own are not converted"
+    new = Experts(num_experts, hidden, inter, act_fn=act_fn, has_gate=old.has_gate, has_bias=bool(old.has_bias),
+                  is_transposed=old.is_transposed, params_dtype=up.dtype, device="meta")
+    for name in (up_name, "down_proj"):
+        setattr(new, name, getattr(old, name))
+        setattr(new, f"{name}_bias", getattr(old, f"{name}_bias", None) if old.has_bias else None)
+    # The old module's options (config, its gate's constants), which its forward and gate read.
+    for k, v in vars(old).items():
+        if not k.startswith("_") and k != "training" and k not in vars(new):
+            setattr(new, k, v)
+    new.is_concatenated = old.is_concatenated
+    new._original_forward, new._custom_gate = type(old).forward, custom_gate
+    return new, None
+
+
+ROUTER = ("a mixture of experts' router: routing stays in high precision, as TE's and transformers' FP8 "
+          "recipes keep it (tef.convert(router) converts one on its own)")
+
+
+def _is_router(model: nn.Module, fqn: str) -> bool:
+    # A Linear named gate or router beside the experts it routes to (e.g. Qwen2-MoE's `mlp.gate`);
+    # transformers' top-k router classes hold their weight themselves and are no Linear to convert.
+    parent, _, name = fqn.rpartition(".")
+    return name in ("gate", "router") and hasattr(model.get_submodule(parent), "experts")
+
+
 def _batched_weights(module: nn.Module) -> str | None:
     """Why a module with weights of 3-D or more, which it multiplies itself, stays; None if it has none."""
     held = [f"{name} {tuple(p.shape)}" for name, p in module.named_parameters(recurse=False) if p.dim() >= 3]
     if not held:
         return None
     return (f"{', '.join(held)}: weights of 3-D or more (batched experts, convolutions) are no Linear layer's; "
-            f"te_func converts nn.Linear and transformers' Conv1D, so these GEMMs run in high precision")
+            f"te_func converts nn.Linear, transformers' Conv1D and its experts, so these GEMMs run in high "
+            f"precision")
 
 
 def _replacement(module: nn.Module, conv1d) -> tuple[nn.Module | None, str | None] | None:
@@ -96,6 +160,8 @@ def _replacement(module: nn.Module, conv1d) -> tuple[nn.Module | None, str | Non
         return _linear(module, transposed=True)
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return _norm(module)
+    if _is_hf_experts(module):
+        return _experts(module)
     why = _batched_weights(module)
     return None if why is None else (None, why)
 
@@ -116,6 +182,8 @@ def convert(model: nn.Module, *, module_filter_fn: Callable[[nn.Module, str], bo
         found = _replacement(module, conv1d)
         if found is None:
             continue
+        if found[0] is not None and _is_router(model, fqn):
+            found = None, ROUTER
         if module_filter_fn is not None and not module_filter_fn(module, fqn):
             continue
         new, why = found

@@ -66,7 +66,7 @@ def backward_keys(model: nn.Module, recipe) -> list[str]:
 def backward_weights(model: nn.Module, recipe) -> dict[str, torch.Tensor | None]:
     """Each of backward_keys -> the weight of the GEMM whose backward updates it (or None)."""
     _check_recipe(recipe)
-    return {_prefix(path) + k: getattr(m, g.weight, None)
+    return {_prefix(path) + k: getattr(m, m.gemm_param(g.weight), None)
             for path, m in _te_modules(model) for g in m.gemms()
             for k, e in lower(recipe).entries(g, m.gemm_weight(g.weight).shape).items() if e.backward}
 

@@ -30,13 +30,18 @@ def _gemm_layers(model: nn.Module) -> list[tuple[str, TEModule]]:
 
 def _gemm_only_weights(model: nn.Module, layers) -> list[nn.Parameter]:
     """The GEMM weights that nothing else holds (a weight tied to an embedding stays)."""
-    gemm = {id(m.get_parameter(g.weight)) for _, m in layers for g in m.gemms()}
+    params = [m.get_parameter(name) for _, m in layers for name in _gemm_params(m)]
+    gemm = {id(p) for p in params}
     elsewhere = {id(p) for m in model.modules() if not (isinstance(m, TEModule) and m.gemms())
                  for p in m._parameters.values() if p is not None}
     elsewhere |= {id(p) for _, m in layers for name, p in m._parameters.items()
-                  if p is not None and name not in {g.weight for g in m.gemms()}}
-    return [m.get_parameter(g.weight) for _, m in layers for g in m.gemms()
-            if id(m.get_parameter(g.weight)) in gemm - elsewhere]
+                  if p is not None and name not in _gemm_params(m)}
+    return [p for p in params if id(p) in gemm - elsewhere]
+
+
+def _gemm_params(m: TEModule) -> tuple[str, ...]:
+    # The parameters holding a layer's GEMM weights, each once (experts' hold one per expert).
+    return tuple(dict.fromkeys(m.gemm_param(g.weight) for g in m.gemms()))
 
 
 def _check_finite(path: str, name: str, weight: torch.Tensor):
@@ -73,8 +78,8 @@ def _frozen(path: str, source: TEModule, skeleton: nn.Module, recipe, ws: dict |
                                     cast.columns)
         if isinstance(step.state.input, DelayedState):
             scales[g.weight] = _own(step.state.input.scale, device)
-        param = source.get_parameter(g.weight)          # as the model holds it (Conv1D's: (in, out))
-        meta[g.weight] = (tuple(param.shape), param.dtype)
+        param = source.get_parameter(source.gemm_param(g.weight))   # as the model holds it (Conv1D's: (in, out))
+        meta[source.gemm_param(g.weight)] = (tuple(param.shape), param.dtype)
     assert isinstance(skeleton, TEModule)       # the source's copy
     return FROZEN_LAYERS[type(source)](skeleton, recipe, casts, scales, weight_only_tokens, meta)
 

@@ -81,6 +81,14 @@ def _grouped_counts(batch, dtype):
     return x, torch.tensor(splits)
 
 
+def _routed(batch, dtype):
+    # transformers' experts interface: each token's top-2 of 4 experts and their weights; expert 3 is
+    # idle (routing to it would need a token whose top-2 holds it).
+    tokens = torch.randn(batch, 8, 64, dtype=dtype)
+    index = torch.stack([torch.randperm(3)[:2] for _ in range(batch * 8)])
+    return tokens, index, torch.softmax(torch.randn(batch * 8, 2), -1).to(dtype)
+
+
 LAYERS = [
     LayerCase("Linear", lambda dt: tef.nn.Linear(64, 48, params_dtype=dt), _tokens(64)),
     LayerCase("LayerNorm", lambda dt: tef.nn.LayerNorm(64, params_dtype=dt), _tokens(64)),
@@ -107,6 +115,12 @@ LAYERS = [
     # list row (tests/layers/test_layers.py checks they are the list's bit for bit): left out, for CI time.
     LayerCase("GroupedLinear-counts", lambda dt: tef.nn.GroupedLinear(3, 64, 48, params_dtype=dt), _grouped_counts,
               per_sample=False, slow_recipes=("delayed",),
+              skip_recipes=("bf16", "mxfp8", "block", "current-bwd-dequantized", "block-bwd-high-precision",
+                            "nvfp4")),
+    # A mixture of experts' expert MLPs as tef.convert makes them from transformers' experts, their
+    # counts on the device as the GroupedLinear-counts row's (the host-path recipes left out the same way).
+    LayerCase("Experts", lambda dt: tef.nn.Experts(4, 64, 48, params_dtype=dt), _routed, per_sample=False,
+              slow_recipes=("delayed",),
               skip_recipes=("bf16", "mxfp8", "block", "current-bwd-dequantized", "block-bwd-high-precision",
                             "nvfp4")),
 ]

@@ -198,6 +198,9 @@ def enable_fsdp_float8_all_gather(model: nn.Module, recipe) -> nn.Module:
         if not isinstance(m, TEModule):
             continue
         for g in m.gemms():
+            if m.gemm_param(g.weight) != g.weight:
+                # Experts' 3-D parameters, one slice per GEMM: FSDP gathers them in high precision.
+                continue
             p = getattr(m, g.weight)
             if uses[id(p)] > 1:
                 # A tied weight (GPT-2's lm_head) needs its high-precision values elsewhere.

@@ -69,16 +69,17 @@ def _full(weight: DTensor) -> torch.Tensor:
 
 
 def cast_sources(module_path: str, module, units: dict) -> dict | None:
-    """GEMM weight name -> the gathered weight to cast, for those FSDP keeps sharded (or None)."""
+    """GEMM weight parameter name (`gemm_param`) -> the gathered parameter to cast, for those FSDP
+    keeps sharded (or None). A parameter several GEMMs read (experts') is gathered once."""
     if not units or not is_fsdp_managed(module_path, units):
         return None
     weights = {}
-    for g in module.gemms():
-        w = getattr(module, g.weight)
+    for name in dict.fromkeys(module.gemm_param(g.weight) for g in module.gemms()):
+        w = getattr(module, name)
         if _is_dtensor(w):
-            _check_spec(f"{module_path}.{g.weight}" if module_path else g.weight, w._spec)
+            _check_spec(f"{module_path}.{name}" if module_path else name, w._spec)
             with torch.no_grad():
-                weights[g.weight] = _full(w)
+                weights[name] = _full(w)
     return weights or None
 
 

@@ -125,9 +125,10 @@ def check_layouts(model: nn.Module, recipe, units: dict) -> None:
         if not isinstance(m, te_nn.TEModule) or is_fsdp_managed(path, units):
             continue
         for g in m.gemms():
-            w = getattr(m, g.weight)
+            w = getattr(m, m.gemm_param(g.weight))
             if isinstance(w, DTensor) and any(isinstance(p, Shard) for p in w.placements):
                 raise ValueError(
-                    f"{type(recipe).__name__} cannot quantize {path + '.' if path else ''}{g.weight}, laid out as "
+                    f"{type(recipe).__name__} cannot quantize {path + '.' if path else ''}{m.gemm_param(g.weight)}, "
+                    f"laid out as "
                     f"{tuple(w.placements)}: its scaling blocks would have to follow the shard boundaries. Under "
                     f"tensor parallelism use a tensor-wise recipe (Float8CurrentScaling, DelayedScaling)")

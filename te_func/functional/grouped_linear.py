@@ -91,19 +91,21 @@ def device_offsets(m_splits, num_gemms: int, x: torch.Tensor, recipe, batch_scal
 def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
                    biases: Sequence[torch.Tensor | None] | None = None, *, recipe=None,
                    workspace: dict | None = None, is_first_microbatch: bool | None = None,
-                   update_state: bool | None = None, batch_scales: bool = False):
+                   update_state: bool | None = None, batch_scales: bool = False,
+                   gemms: Sequence[Gemm] | None = None, layer: str = "GroupedLinear"):
     """Row group i of inp times weights[i].T plus biases[i], in FP8 per `recipe` (None: F.linear).
 
     inp: (tokens, in_features) (more leading dims are flattened); group i is the m_splits[i] tokens
     after the previous groups'. weights[i]: (out_features, in_features); biases[i]: (out_features,)
-    or None. workspace, update_state, batch_scales: as `te_func.functional.linear`'s.
-    Returns `(out, new_workspace)`, out (..., out_features) in inp's dtype."""
-    layer = "GroupedLinear"
+    or None. workspace, update_state, batch_scales: as `te_func.functional.linear`'s. gemms: the
+    GEMMs' names, which name their entries (default `grouped_gemms`: weight0, weight1, ...);
+    layer: the name errors give. Returns `(out, new_workspace)`, out (..., out_features) in inp's dtype."""
     n = len(weights)
+    gemms = grouped_gemms(n) if gemms is None else tuple(gemms)
     biases = [None] * n if biases is None else list(biases)
-    if n == 0 or len(biases) != n:
-        raise ValueError(f"{layer}: need one weight (and one bias or None) per GEMM, got {n} weights "
-                         f"and {len(biases)} biases")
+    if n == 0 or len(biases) != n or len(gemms) != n:
+        raise ValueError(f"{layer}: need one weight (and one bias or None, one name) per GEMM, got {n} "
+                         f"weights, {len(biases)} biases and {len(gemms)} names")
     out_features, in_features = weights[0].shape
     for i, w in enumerate(weights):
         if tuple(w.shape) != (out_features, in_features):
@@ -124,12 +126,12 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
         ifm = first_microbatch(is_first_microbatch, layer)
         x = autocast_input(x)
         steps = [GemmStep.begin(g, w, recipe, workspace, ifm, update_state, batch_scales)
-                 for g, w in zip(grouped_gemms(n), weights)]
+                 for g, w in zip(gemms, weights)]
         tensors = {k: v for st in steps for k, v in st.tensors().items()}
         slots = tuple(st.slot for st in steps)
         groups = {"offs": offs} if sizes is None else {f"m{i}": m for i, m in enumerate(sizes)}
         res = call(GroupedLinearFP8(slots) if sizes is not None else GroupedLinearRunsFP8(slots), x=x, **groups,
-                   **{f"weight{i}": w for i, w in enumerate(weights)},
+                   **{g.weight: w for g, w in zip(gemms, weights)},
                    **{f"bias{i}": b for i, b in enumerate(biases)}, **tensors)
         out = res["out"]                                                            # (tokens, out)
         entries = {k: v for st in steps for k, v in st.entries(res).items()}

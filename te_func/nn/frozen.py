@@ -16,6 +16,7 @@ from torch import nn
 
 from ..functional._common import autocast_input, check_input
 from ..functional._fused import norm_config
+from ..functional.experts import combine, route
 from ..functional.grouped_linear import fp8_split_sizes
 from ..errors import EntryMismatchError, FrozenModelError, MissingEntryError, RecipeMismatchError
 from ..ops import (GemmConfig, GemmSlot, GroupedLinearFP8, LayerNormLinearFP8, LayerNormMLPFP8, LinearFP8,
@@ -25,6 +26,7 @@ from ..quant import Gemm, Quantized, lower
 from ..quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, fingerprint_entry
 from ..recipe import fingerprint
 from ._fused import te_outputs
+from .experts import Experts, apply_gate, gate
 from .grouped_linear import GroupedLinear
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
@@ -32,7 +34,7 @@ from .linear import Linear, TransposedLinear
 from .module import TEModule
 
 __all__ = ["FrozenCast", "FrozenLayer", "FrozenLinear", "FrozenLayerNormLinear", "FrozenLayerNormMLP",
-           "FrozenGroupedLinear", "FROZEN_LAYERS"]
+           "FrozenGroupedLinear", "FrozenExperts", "FROZEN_LAYERS"]
 
 
 # Every distinct static config of the frozen layers, by its repr; layers keep the names. torch.compile
@@ -91,7 +93,7 @@ class FrozenLayer(nn.Module):
             if not k.startswith("_") and k != "training":
                 setattr(self, k, v)
         self.recipe, self.weight_only_tokens = recipe, weight_only_tokens
-        # GEMM weight name -> (shape, dtype) of the trained parameter (_gemm_weight below).
+        # GEMM weight parameter name -> (shape, dtype) of the trained parameter (_gemm_weight below).
         self._weight_meta = dict(weight_meta or {})
         self.gemm_specs = tuple(source.gemms())
         # What a call reads, as strings of this layer's own: torch.compile guards every shared object
@@ -101,7 +103,7 @@ class FrozenLayer(nn.Module):
         delayed = lower(recipe).keeps_history
         self._gemm_names = tuple((g.weight, f"{g.prefix}input_scale" if delayed else None)
                                  for g in self.gemm_specs)
-        weights = {g.weight for g in self.gemm_specs}
+        weights = {source.gemm_param(g.weight) for g in self.gemm_specs}
         for name, p in source._parameters.items():
             if name not in weights:
                 self.register_parameter(name, None if p is None else nn.Parameter(p.detach(), requires_grad=False))
@@ -310,6 +312,46 @@ class FrozenGroupedLinear(FrozenLayer):
         return res["out"].reshape(*inp.shape[:-1], self.out_features)
 
 
+class FrozenExperts(FrozenLayer):
+    """Frozen Experts: forward(hidden_states, top_k_index, top_k_weights) as the source layer's under
+    its recipe. Each expert's token count is read on the host (as FrozenGroupedLinear's m_splits),
+    so under torch.compile it runs eagerly only; see docs/inference.md."""
+    features_attr = "hidden_dim"
+    num_experts: int
+    hidden_dim: int
+    up_name: str
+    has_gate: bool
+    down_proj_bias: torch.Tensor | None
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        return apply_gate(self, gate_up_out)
+
+    def __init__(self, source: TEModule, *args, **kwargs):
+        super().__init__(source, *args, **kwargs)
+        assert isinstance(source, Experts)
+        self.act_fn, self._custom_gate = source.act_fn, source._custom_gate
+
+    def _grouped(self, slots, x: torch.Tensor, sizes: list, bias: torch.Tensor | None, t: dict) -> torch.Tensor:
+        biases = {f"bias{i}": None if bias is None else bias[i] for i in range(self.num_experts)}
+        return call_forward(GroupedLinearFP8(slots), x=x, **{f"m{i}": m for i, m in enumerate(sizes)}, **biases,
+                            **t)["out"]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        inp = self._tokens(hidden_states)
+        x = inp.reshape(-1, self.hidden_dim)                                        # (tokens, hidden)
+        k, n = top_k_index.shape[-1], self.num_experts
+        order, counts = route(top_k_index, n)
+        sizes = fp8_split_sizes(counts, n, order.shape[0], self._recipe_name, self.layer)
+        slots, t = self._slots(order.shape[0])
+        h = self._grouped(slots[:n], x[order // k], sizes, getattr(self, f"{self.up_name}_bias"), t)
+        y = self._grouped(slots[n:], gate(self, h), sizes, self.down_proj_bias, t)
+        return combine(y, top_k_weights, order, inp.dtype).reshape(hidden_states.shape)
+
+    gate_up_proj = _gemm_weight("gate_up_proj")
+    up_proj = _gemm_weight("up_proj")
+    down_proj = _gemm_weight("down_proj")
+
+
 # Each te_func GEMM layer's frozen form (exact types: a subclass may compute something else).
 FROZEN_LAYERS = {Linear: FrozenLinear, TransposedLinear: FrozenLinear, LayerNormLinear: FrozenLayerNormLinear,
-                 LayerNormMLP: FrozenLayerNormMLP, GroupedLinear: FrozenGroupedLinear}
+                 LayerNormMLP: FrozenLayerNormMLP, GroupedLinear: FrozenGroupedLinear, Experts: FrozenExperts}

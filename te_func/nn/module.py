@@ -26,8 +26,14 @@ class TEModule(nn.Module):
         """The layer's FP8 GEMMs, as its functional op declares them."""
         return ()
 
+    def gemm_param(self, name: str) -> str:
+        """The parameter that holds GEMM `name`'s weight: its own, but for weights that are slices of
+        one parameter (te_func.nn.Experts')."""
+        return name
+
     def gemm_weight(self, name: str, value: torch.Tensor | None = None) -> torch.Tensor:
-        """The GEMM weight `name` (or `value`, e.g. FSDP's gathered one) as the GEMM reads it, (out, in)."""
+        """The GEMM weight `name` as the GEMM reads it, (out, in), from its parameter (`gemm_param`)
+        or from `value`, that parameter's value elsewhere (e.g. FSDP's gathered one)."""
         return getattr(self, name) if value is None else value
 
     def workspace_spec(self, recipe) -> dict[str, Entry]:
@@ -82,10 +88,10 @@ class TEModule(nn.Module):
                        weight_cache: bool = True) -> dict[str, torch.Tensor]:
         """Fresh entries: casts of the current weights (none without `weight_cache`), initial
         DelayedScaling states, NVFP4's random streams (seeded by `path` and each weight's name).
-        weights: weight name -> the value to cast instead (FSDP's gathered weight)."""
+        weights: parameter name (`gemm_param`) -> the value to cast instead (FSDP's gathered weight)."""
         entries, lowering = {}, lower(recipe)
         for g in self.gemms():
-            weight = self.gemm_weight(g.weight, (weights or {}).get(g.weight))
+            weight = self.gemm_weight(g.weight, (weights or {}).get(self.gemm_param(g.weight)))
             entries.update(lowering.write(g, lowering.init(g, weight, path, cast=weight_cache)))
         return entries
 

@@ -25,8 +25,9 @@ def _linearized(slots, t: dict, sizes) -> dict:
 
 @dataclass(frozen=True)
 class GroupedLinearFP8:
-    """inputs: x (tokens, in), m{i} (group i's token count), weight{i} (out, in), bias{i} or None,
-    and slot i's tensors (prefix weight{i}.)."""
+    """inputs: x (tokens, in), m{i} (group i's token count), slot i's weight (out, in) under its
+    GEMM's name (`weight{i}`; te_func.nn.Experts' `down_proj{i}`), bias{i} or None, and slot i's
+    tensors (that name's prefix)."""
     slots: tuple[GemmSlot, ...]
     differentiable = ("out",)
 
@@ -47,7 +48,7 @@ class GroupedLinearFP8:
 
     @property
     def primals(self):
-        return ("x", *(f"{k}{i}" for i in range(len(self.slots)) for k in ("weight", "bias")))
+        return ("x", *(n for i, slot in enumerate(self.slots) for n in (slot.weight, f"bias{i}")))
 
     @property
     def linearization_inputs(self):
@@ -70,7 +71,7 @@ class GroupedLinearFP8:
         for i, (slot, gi) in enumerate(zip(self.slots, torch.split(grads["out"], self._splits(s)))):
             dx, dw, sink = slot.backward(s, gi, ctx.need["x"], ctx.dtype["x"], ctx)
             dxs.append(dx)
-            out.update({f"weight{i}": dw, f"bias{i}": ctx.cast(f"bias{i}", gi.sum(0)), **sink})
+            out.update({slot.weight: dw, f"bias{i}": ctx.cast(f"bias{i}", gi.sum(0)), **sink})
         return {"x": torch.cat(dxs) if ctx.need["x"] else None, **out}
 
 
@@ -82,7 +83,7 @@ class GroupedLinearRunsFP8:
     GroupedLinearFP8 (bit for bit where a loop of GEMMs runs; the bias gradients are summed in
     fp32 in another order). Tensor-wise schemes (current and delayed scaling) without
     backward_override; the slots share one config.
-    inputs: x (tokens, in), offs (G,), weight{i}, bias{i} (all or none), slot i's tensors."""
+    inputs: x (tokens, in), offs (G,), each slot's weight, bias{i} (all or none), slot i's tensors."""
     slots: tuple[GemmSlot, ...]
     differentiable = ("out",)
 
@@ -101,7 +102,7 @@ class GroupedLinearRunsFP8:
 
     @property
     def primals(self):
-        return ("x", *(f"{k}{i}" for i in range(len(self.slots)) for k in ("weight", "bias")))
+        return ("x", *(n for i, slot in enumerate(self.slots) for n in (slot.weight, f"bias{i}")))
 
     @property
     def linearization_inputs(self):
@@ -146,7 +147,7 @@ class GroupedLinearRunsFP8:
 
     def backward(self, s, grads, ctx):
         cfg, g, offs, n = self.slots[0].cfg, grads["out"], s["offs"], len(self.slots)
-        need_dw = any(ctx.need[f"weight{i}"] for i in range(n))
+        need_dw = any(ctx.need[slot.weight] for slot in self.slots)
         if need_dw and s["x_t"] is None:
             raise RuntimeError("te_func: a GroupedLinear weight's gradient was requested but the forward ran "
                                "without saving the GEMMs' input (the weights did not require grad then)")
@@ -177,8 +178,8 @@ class GroupedLinearRunsFP8:
             out["x"] = grouped_gemm(gq, self._stack(s, "w_t"), g_scale_inv, self._stack(s, "w_t_scale_inv"),
                                     ctx.dtype["x"], fast_accum=cfg.fast_accum[1], offs=offs)
         if need_dw:
-            w_dtype = next(ctx.dtype[f"weight{i}"] for i in range(n) if ctx.need[f"weight{i}"])
+            w_dtype = next(ctx.dtype[slot.weight] for slot in self.slots if ctx.need[slot.weight])
             dw = grouped_gemm(gq.t().contiguous(), s["x_t"], g_scale_inv, s["x_t_scale_inv"], w_dtype,
                               fast_accum=cfg.fast_accum[2], offs=offs)
-            out.update({f"weight{i}": ctx.cast(f"weight{i}", dw[i]) for i in range(n)})
+            out.update({slot.weight: ctx.cast(slot.weight, dw[i]) for i, slot in enumerate(self.slots)})
         return {**out, **sinks}

@@ -139,7 +139,8 @@ def make_cast(weight: torch.Tensor, s: Scheme, state: DelayedState | None = None
 
 @dataclasses.dataclass(frozen=True)
 class Gemm:
-    """One FP8 GEMM of a layer, named by its weight parameter ("weight", "fc1_weight", "weight{i}").
+    """One FP8 GEMM of a layer, named by its weight parameter ("weight", "fc1_weight", "weight{i}"), or
+    by a 3-D parameter and the index of its slice ("gate_up_proj{i}": expert i's, te_func.nn.Experts).
     Every key of the GEMM derives from this name, here; which entries exist under a recipe is
     its Lowering's (te_func.quant.lowering)."""
     weight: str
@@ -148,7 +149,11 @@ class Gemm:
     def prefix(self) -> str:
         """The prefix of the GEMM's activation states (the input's and the output gradient's)."""
         index = self.weight.removeprefix("weight")
-        return f"gemm{index}_" if index.isdigit() else self.weight.removesuffix("weight")
+        if index.isdigit():
+            return f"gemm{index}_"
+        if self.weight.endswith("weight"):
+            return self.weight.removesuffix("weight")
+        return f"{self.weight}_"        # an expert's GEMM, e.g. "down_proj3" (te_func.nn.Experts)
 
     @property
     def cast(self) -> str:

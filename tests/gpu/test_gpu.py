@@ -590,3 +590,33 @@ def test_grouped_linear_with_device_counts_on_cuda(cuda, recipe):
     for (name, p), q, c in zip(listed.model.named_parameters(), counted.model.parameters(),
                                compiled_shell.model.parameters()):
         assert sqnr(p.grad, q.grad) > 40 and sqnr(q.grad, c.grad) > 40, name
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(Float8CurrentScaling(), id="current"),
+                                    pytest.param(DelayedScaling(), id="delayed")])
+def test_experts_on_cuda_meet_float64_and_compile_once(cuda, recipe):
+    """Experts (transformers' experts interface) on the GPU: the grouped kernel each direction, outputs
+    and gradients within FP8 tolerance of float64, compiled equal to eager to accumulation order,
+    one graph while the routing changes (an idle expert, then another)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = tef.nn.Experts(8, 256, 128, params_dtype=torch.bfloat16, device=cuda)
+    eager, compiled_shell = tef.Stateful(copy.deepcopy(layer), recipe), tef.Stateful(copy.deepcopy(layer), recipe)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(compiled_shell, fullgraph=True, backend=counter)
+    exact = copy.deepcopy(layer).double()
+    for pool in ((0, 1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 5, 6, 7), tuple(range(8))):
+        x = torch.randn(512, 256, device=cuda, dtype=torch.bfloat16)
+        pick = torch.stack([torch.randperm(len(pool))[:2] for _ in range(512)])
+        index = torch.tensor(pool)[pick].to(cuda)
+        weights = torch.softmax(torch.randn(512, 2, device=cuda), -1).to(torch.bfloat16)
+        got, got_c = eager(x, index, weights), compiled(x, index, weights)
+        with torch.no_grad():
+            want = exact(x.double(), index, weights.double())
+        assert sqnr(want, got.double()) > 20 and sqnr(got.float(), got_c.float()) > 35
+        cot = torch.randn_like(got)
+        for out in (got, got_c):
+            (out * cot).sum().backward()
+    assert counter.frame_count == 1
+    for p, q in zip(eager.model.parameters(), compiled_shell.model.parameters()):
+        assert torch.isfinite(p.grad).all() and sqnr(p.grad.float(), q.grad.float()) > 25

@@ -66,8 +66,8 @@ RECIPES = [pytest.param(Float8CurrentScaling(), id="current"),
 
 
 def _te_gemm_weights(model):
-    return {f"{path}.{g.weight}": m.get_parameter(g.weight) for path, m in model.named_modules()
-            if isinstance(m, tef.nn.TEModule) for g in m.gemms()}
+    return {f"{path}.{m.gemm_param(g.weight)}": m.get_parameter(m.gemm_param(g.weight))
+            for path, m in model.named_modules() if isinstance(m, tef.nn.TEModule) for g in m.gemms()}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

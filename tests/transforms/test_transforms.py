@@ -739,7 +739,7 @@ def test_frozen_model_equals_cached_forward(case, recipe):
     assert torch.equal(case.output(got), case.output(want))
     # What stays: every tensor of the model but the GEMM weights (biases, norms, embeddings), as it was.
     state, source = frozen.state_dict(), s.model.state_dict()
-    gemm_weights = {f"{p}.{g.weight}".lstrip(".") for p, m in s.model.named_modules()
+    gemm_weights = {f"{p}.{m.gemm_param(g.weight)}".lstrip(".") for p, m in s.model.named_modules()
                     if m in gemm_layers for g in m.gemms()}
     assert_dicts_equal({k: state[k] for k in source.keys() - gemm_weights},
                        {k: v for k, v in source.items() if k not in gemm_weights})
@@ -771,9 +771,10 @@ def test_frozen_weight_only_model_is_the_model_with_its_fp8_weights_decoded(case
     with torch.no_grad():
         for path, layer in tef.frozen_layers(frozen).items():
             source = decoded.get_submodule(path)
-            for g in layer.gemm_specs:
+            for name in {source.gemm_param(g.weight) for g in layer.gemm_specs}:
                 # A weight of its own: one tied to an embedding (GPT-2's lm_head) stays the embedding's.
-                setattr(source, g.weight, torch.nn.Parameter(source.get_parameter(g.weight).clone()))
+                setattr(source, name, torch.nn.Parameter(source.get_parameter(name).clone()))
+            for g in layer.gemm_specs:
                 # gemm_weight: the (out, in) view, whatever layout the layer stores.
                 source.gemm_weight(g.weight).copy_(dequantize(layer.get_submodule(f"{g.weight}_cast").quantized()))
         got = case.output(frozen(*s.inputs, **s.kwargs))
