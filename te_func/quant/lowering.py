@@ -18,8 +18,8 @@ from .delayed import delayed_update, init_delayed_state
 from .nvfp4 import init_rng_state, rng_seed
 from .scheme import scheme_for
 from .tensor import BatchAmax, DelayedState
-from .workspace import (ROLES_OF_GEMM, Entry, Gemm, GemmWorkspace, cast_entries, cast_from_flat, cast_to_flat,
-                        make_cast)
+from .workspace import (CAST_FIELDS, ROLES_OF_GEMM, Entry, Gemm, GemmWorkspace, cast_entries, cast_from_flat,
+                        cast_to_flat, make_cast)
 
 __all__ = ["Lowering", "Stateless", "Delayed", "lower"]
 
@@ -104,7 +104,8 @@ class _Quantized(Lowering):
 
     def _read_cast(self, gemm, workspace):
         p = f"{gemm.cast}."
-        flat = {k[len(p):]: v for k, v in workspace.items() if k.startswith(p)}
+        # By name, not by a scan of the workspace: a layer of 2 x 128 experts' GEMMs reads 256 casts.
+        flat = {k: workspace[p + k] for k in CAST_FIELDS if p + k in workspace}
         # all(...), not `set <= keys`: torch 2.11's dynamo cannot trace set comparisons.
         s = self._weight_scheme
         return cast_from_flat(flat, s) if all(k in flat for k in cast_entries((1, 1), s)) else None
