@@ -145,6 +145,15 @@ def tiny_gpt2(dtype=torch.float32, layers=2):
     return GPT2LMHeadModel(cfg).to(dtype)
 
 
+def tiny_mixtral(dtype=torch.float32, layers=2):
+    """A mixture of experts: 4 experts, top-2 (tef.convert makes its experts te_func.nn.Experts)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                        num_local_experts=4, num_experts_per_tok=2)
+    return MixtralForCausalLM(cfg).to(dtype)
+
+
 def tiny_t5(dtype=torch.float32, layers=1):
     """An encoder-decoder whose feed-forward reads `wo.weight.dtype` (tests/shell/test_freeze.py)."""
     from transformers import T5Config, T5ForConditionalGeneration

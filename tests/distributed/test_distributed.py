@@ -163,10 +163,10 @@ HF_STEPS = 3
 
 
 def hf_model(name):
-    """A tiny 1-layer HF Llama or GPT-2 (tests/cases.py's configs), converted with tef.convert."""
-    from cases import tiny_gpt2, tiny_llama
+    """A tiny 1-layer HF Llama, GPT-2 or Mixtral (tests/cases.py's configs), converted with tef.convert."""
+    from cases import tiny_gpt2, tiny_llama, tiny_mixtral
     torch.manual_seed(0)
-    return tef.convert({"llama": tiny_llama, "gpt2": tiny_gpt2}[name](layers=1))
+    return tef.convert({"llama": tiny_llama, "gpt2": tiny_gpt2, "mixtral": tiny_mixtral}[name](layers=1))
 
 
 def hf_loss(shell, step, rank, micro, first, device="cpu"):
@@ -200,7 +200,9 @@ def hf_fsdp(rank, world, runs):
     return out
 
 
-HF_RUNS = (("llama", "delayed", False), ("gpt2", "current", True))
+# Mixtral: its experts' 3-D weights sharded along the experts, gathered in high precision and cast
+# per expert (the FP8 all-gather takes its other GEMM weights).
+HF_RUNS = (("llama", "delayed", False), ("gpt2", "current", True), ("mixtral", "delayed", True))
 
 
 def test_fsdp_trains_a_converted_hf_model_as_one_process():
