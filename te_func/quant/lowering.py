@@ -18,8 +18,8 @@ from .delayed import delayed_update, init_delayed_state
 from .nvfp4 import init_rng_state, rng_seed
 from .scheme import scheme_for
 from .tensor import BatchAmax, DelayedState
-from .workspace import (CAST_FIELDS, ROLES_OF_GEMM, Entry, Gemm, GemmWorkspace, cast_entries, cast_from_flat,
-                        cast_to_flat, make_cast)
+from .workspace import (CAST_FIELDS, ROLES_OF_GEMM, Entry, Gemm, GemmWorkspace, cast_entries, cast_fields,
+                        cast_from_flat, cast_to_flat, make_cast)
 
 __all__ = ["Lowering", "Stateless", "Delayed", "lower"]
 
@@ -108,7 +108,7 @@ class _Quantized(Lowering):
         flat = {k: workspace[p + k] for k in CAST_FIELDS if p + k in workspace}
         # all(...), not `set <= keys`: torch 2.11's dynamo cannot trace set comparisons.
         s = self._weight_scheme
-        return cast_from_flat(flat, s) if all(k in flat for k in cast_entries((1, 1), s)) else None
+        return cast_from_flat(flat, s) if all(k in flat for k in cast_fields(s)) else None
 
     def write(self, gemm, gw):
         out = {} if gw.cast is None else {f"{gemm.cast}.{k}": v

@@ -1,5 +1,5 @@
 """Weight casts cached across microbatches (TE's `is_first_microbatch`), without mutation:
-`quantize_weight` reads and returns the cast as the flat dict `cast_entries` defines."""
+`quantize_weight` reads and returns the cast as the flat dict `cast_entries` (`cast_layout`) defines."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ import torch
 
 from .scheme import Scheme, scheme_for
 from .tensor import DelayedState
-from .workspace import CAST_FIELDS, WeightCast, cast_entries, cast_from_flat, cast_to_flat, make_cast
+from .workspace import CAST_FIELDS, WeightCast, cast_from_flat, cast_layout, cast_to_flat, make_cast
 
 __all__ = ["Quantizer", "WeightCast", "quantize_weight", "cast_weight", "CAST_FIELDS"]
 
@@ -27,9 +27,9 @@ class Quantizer:
 def _fits(weight: torch.Tensor, s: Scheme, flat: dict) -> bool:
     # Metadata only: shape, dtype and device of every entry (the frame checks the recipe).
     out_f, in_f = weight.shape
-    for name, e in cast_entries((out_f, in_f), s).items():
+    for name, (shape, dtype) in cast_layout((out_f, in_f), s).items():
         t = flat.get(name)
-        if t is None or tuple(t.shape) != e.shape or t.dtype != e.dtype or t.device != weight.device:
+        if t is None or tuple(t.shape) != shape or t.dtype != dtype or t.device != weight.device:
             return False
     return True
 

@@ -16,8 +16,8 @@ from .scheme import Scheme
 from .tensor import BatchAmax, DelayedState, Quantized, quantize_with_transpose
 
 __all__ = ["FORMAT_VERSION", "RECIPE_KEY", "RECIPE_ENTRY", "CAST_FIELDS", "CarriedCast", "KINDS", "Entry", "Gemm",
-           "GemmWorkspace", "WeightCast", "cast_entries", "is_cast_key", "cast_from_flat", "cast_to_flat", "make_cast",
-           "fingerprint_entry", "ROLES_OF_GEMM"]
+           "GemmWorkspace", "WeightCast", "cast_entries", "cast_fields", "cast_layout", "is_cast_key",
+           "cast_from_flat", "cast_to_flat", "make_cast", "fingerprint_entry", "ROLES_OF_GEMM"]
 
 # 1: te_func 0.1; 2: this module; 3: MXFP8's E8M0 scales as uint8 (tef.upgrade_workspaces converts).
 FORMAT_VERSION = 3
@@ -89,17 +89,29 @@ def may_carry_backward_state(key: str) -> bool:
     return key.endswith(("grad_amax_history", "grad_batch_amax"))
 
 
+def cast_fields(s: Scheme) -> tuple[str, ...]:
+    """The fields (CAST_FIELDS) a cast by scheme `s` keeps."""
+    return ("data", "scale_inv", "data_t", *(() if _shared_scale(s) else ("scale_inv_t",)),
+            *(("global_amax",) if s.nvfp4 else ()))
+
+
+def cast_layout(shape: tuple[int, int], s: Scheme) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Field -> (shape, dtype) of the cast of a weight of `shape` (out, in) by scheme `s`. Plain
+    tuples: a call checks a cached cast against it, and a torch.compile trace reads it per GEMM."""
+    out_f, in_f = shape
+    layout = {"data": (s.data_shape((out_f, in_f)), s.dtype), "scale_inv": (s.scale_shape((out_f, in_f)),
+                                                                            s.scale_dtype),
+              "data_t": (s.data_shape((in_f, out_f)), s.dtype)}
+    if not _shared_scale(s):
+        layout["scale_inv_t"] = (s.scale_shape((in_f, out_f)), s.scale_dtype)
+    if s.nvfp4:     # weights take no Hadamard transform: amax(w) = amax(w.T), one entry
+        layout["global_amax"] = ((), torch.float32)
+    return layout
+
+
 def cast_entries(shape: tuple[int, int], s: Scheme) -> dict[str, Entry]:
     """The entries of the cast of a weight of `shape` (out, in) by scheme `s`."""
-    out_f, in_f = shape
-    entries = {"data": Entry(s.data_shape((out_f, in_f)), s.dtype, "cast"),
-               "scale_inv": Entry(s.scale_shape((out_f, in_f)), s.scale_dtype, "cast"),
-               "data_t": Entry(s.data_shape((in_f, out_f)), s.dtype, "cast")}
-    if not _shared_scale(s):
-        entries["scale_inv_t"] = Entry(s.scale_shape((in_f, out_f)), s.scale_dtype, "cast")
-    if s.nvfp4:    # weights take no Hadamard transform: amax(w) = amax(w.T), one entry
-        entries["global_amax"] = Entry((), torch.float32, "cast")
-    return entries
+    return {k: Entry(shape_, dtype, "cast") for k, (shape_, dtype) in cast_layout(shape, s).items()}
 
 
 def cast_to_flat(cast: WeightCast, s: Scheme) -> dict[str, torch.Tensor]:
