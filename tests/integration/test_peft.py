@@ -9,11 +9,13 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import te_func as tef
-from cases import sqnr, tiny_gpt2, tiny_llama
+from cases import sqnr, tiny_gpt2, tiny_llama, tiny_mixtral
 from te_func.recipe import DelayedScaling, Float8CurrentScaling
 
 MODELS = [pytest.param(tiny_llama, ["q_proj", "v_proj"], id="llama"),
-          pytest.param(tiny_gpt2, ["c_attn"], id="gpt2")]      # Conv1D: a TransposedLinear once converted
+          pytest.param(tiny_gpt2, ["c_attn"], id="gpt2"),      # Conv1D: a TransposedLinear once converted
+          # a mixture of experts: the adapters on attention, the frozen experts' GEMMs in FP8 beside them
+          pytest.param(lambda: tiny_mixtral(layers=1), ["q_proj", "v_proj"], id="mixtral")]
 RECIPES = [pytest.param(Float8CurrentScaling(), id="current"),
            pytest.param(DelayedScaling(amax_history_len=4), id="delayed")]
 
