@@ -3,7 +3,7 @@ device) against the same experts in torch bf16 `_grouped_mm` (transformers' grou
 sort, gather, two grouped GEMMs, weighting, sum), both compiled, ms by CUDA events (triton's
 do_bench) and the peak memory of one step. Routing: a fixed random top-k of a router's softmax.
 
-    python3 benchmarks/probes/moe_layer.py [--eager]
+    python3 benchmarks/probes/moe_layer.py [--eager] [8] [128]
 """
 import sys
 from pathlib import Path
@@ -45,7 +45,7 @@ def measure(fn) -> tuple[float, float]:
     return do_bench(fn), peak
 
 
-def row(e, hidden, inter, k, tokens, compiled: bool) -> str:
+def row(e, hidden, inter, k, tokens, compiled: bool) -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     layer = tef.nn.Experts(e, hidden, inter, params_dtype=torch.bfloat16, device=dev)
@@ -67,6 +67,7 @@ def row(e, hidden, inter, k, tokens, compiled: bool) -> str:
         base_fwd(x, index, weights, layer.gate_up_proj, layer.down_proj).backward(dy)
     ms0, mem0 = measure(bf16)
     cells = [f"{ms0:.3f} / {mem0:.2f}"]
+    print(f"| {e}, {hidden}, {inter}, top-{k}, {tokens} | {cells[0]} |", end="", flush=True)
     params = dict(layer.named_parameters())
     for recipe in (Float8CurrentScaling(), DelayedScaling()):
         ws = tef.init_workspaces(layer, recipe)
@@ -82,7 +83,8 @@ def row(e, hidden, inter, k, tokens, compiled: bool) -> str:
             cells.append(f"{ms:.3f} / {mem:.2f} ({ms0 / ms:.2f}x)")
         except Exception as err:      # noqa: BLE001 (a probe: say why)
             cells.append(f"{type(err).__name__}: {str(err)[:80]}")
-    return f"| {e}, {hidden}, {inter}, top-{k}, {tokens} | " + " | ".join(cells) + " |"
+        print(f" {cells[-1]} |", end="", flush=True)
+    print(flush=True)
 
 
 def main():
@@ -91,8 +93,10 @@ def main():
     print("| experts, hidden, intermediate, top-k, tokens | torch bf16 _grouped_mm | te_func current | "
           "te_func delayed |")
     print("|---|---|---|---|")
+    only = [a for a in sys.argv[1:] if a.isdigit()]         # experts counts to run, e.g. 8
     for shape in SHAPES:
-        print(row(*shape, compiled), flush=True)
+        if not only or str(shape[0]) in only:
+            row(*shape, compiled)
 
 
 if __name__ == "__main__":
