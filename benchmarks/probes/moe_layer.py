@@ -34,7 +34,23 @@ def bf16_experts(x, index, weights, gate_up, down):
     return torch.empty_like(y).index_copy(0, order, y).view(-1, k, y.shape[-1]).sum(1).to(x.dtype)
 
 
+def profile(name: str, fn) -> None:
+    """The step's GPU kernels by total time (--profile)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    fn()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    print(f"\n{name}, 3 steps:\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
+                                                               max_name_column_width=70), flush=True)
+
+
 def measure(fn) -> tuple[float, float]:
+    if "--profile" in sys.argv:
+        profile(getattr(fn, "label", "step"), fn)
+        return do_bench(fn, rep=20), 0.0
     fn()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -65,6 +81,7 @@ def row(e, hidden, inter, k, tokens, compiled: bool) -> None:
         x.grad = None
         layer.zero_grad(set_to_none=True)
         base_fwd(x, index, weights, layer.gate_up_proj, layer.down_proj).backward(dy)
+    bf16.label = "torch bf16"
     ms0, mem0 = measure(bf16)
     cells = [f"{ms0:.3f} / {mem0:.2f}"]
     print(f"| {e}, {hidden}, {inter}, top-{k}, {tokens} | {cells[0]} |", end="", flush=True)
@@ -78,7 +95,9 @@ def row(e, hidden, inter, k, tokens, compiled: bool) -> None:
             x.grad = None
             layer.zero_grad(set_to_none=True)
             fwd(x, index, weights, ws).backward(dy)
-        try:
+        te.label = f"te_func {type(recipe).__name__}"
+        if "--profile" in sys.argv and isinstance(recipe, DelayedScaling):
+            continue        try:
             ms, mem = measure(te)
             cells.append(f"{ms:.3f} / {mem:.2f} ({ms0 / ms:.2f}x)")
         except Exception as err:      # noqa: BLE001 (a probe: say why)
