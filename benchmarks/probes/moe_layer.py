@@ -97,7 +97,8 @@ def row(e, hidden, inter, k, tokens, compiled: bool) -> None:
             fwd(x, index, weights, ws).backward(dy)
         te.label = f"te_func {type(recipe).__name__}"
         if "--profile" in sys.argv and isinstance(recipe, DelayedScaling):
-            continue        try:
+            continue
+        try:
             ms, mem = measure(te)
             cells.append(f"{ms:.3f} / {mem:.2f} ({ms0 / ms:.2f}x)")
         except Exception as err:      # noqa: BLE001 (a probe: say why)
