@@ -112,11 +112,16 @@ def _k_runs_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, M, N, T, G, 
     row_ok = rows < M
     col_ok = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(start, end, BLOCK_K):
+    # The run starts anywhere; its tiles start at a multiple of 16 below it (the columns before the
+    # run masked off), so the loads are aligned and vectorized: from the run's own start they were
+    # byte-wise, ~10x slower than the forward's kernel at 8 x 4096 x 14336 on an H100.
+    first = tl.multiple_of((start // 16) * 16, 16)
+    for k0 in range(first, end, BLOCK_K):
         k = k0 + ks
-        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * T + k[None, :], mask=row_ok[:, None] & (k[None, :] < end),
+        k_ok = (k >= start) & (k < end)
+        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * T + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        b = tl.load(b_ptr + cols[None, :].to(tl.int64) * T + k[:, None], mask=col_ok[None, :] & (k[:, None] < end),
+        b = tl.load(b_ptr + cols[None, :].to(tl.int64) * T + k[:, None], mask=col_ok[None, :] & k_ok[:, None],
                     other=0.0)
         if _INTERPRETED:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
