@@ -42,12 +42,20 @@ class GemmStep:
 
     @classmethod
     def begin(cls, gemm: Gemm, weight: torch.Tensor, recipe, workspace: dict, is_first_microbatch,
-              update_state: bool | None = None, batch_scales: bool = False) -> GemmStep:
+              update_state: bool | None = None, batch_scales: bool = False,
+              configs: dict | None = None) -> GemmStep:
+        """configs: a dict the GEMMs of one call share, save_input -> GemmConfig (filled here): a
+        grouped layer's GEMMs take the recipe's config once, not once each."""
         lowering = lower(recipe)
         gw = lowering.read(gemm, workspace, batch_scales)
         sink = None if gw.grad is None else gw.grad.record
         gw = lowering.begin(gw, starts_step(is_first_microbatch, update_state))
-        cfg = GemmConfig.of(recipe, save_input=needs_weight_grad(weight))
+        save_input = needs_weight_grad(weight)
+        cfg = None if configs is None else configs.get(save_input)
+        if cfg is None:
+            cfg = GemmConfig.of(recipe, save_input=save_input)
+            if configs is not None:
+                configs[save_input] = cfg
         cast, weight_state, _ = cast_weight(weight, cfg.weight, gw.cast, is_first_microbatch, gw.weight)
         slot = GemmSlot(cfg, gemm)
         # Only a training call moves the stream (TE draws only when it rounds).

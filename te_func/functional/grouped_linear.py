@@ -125,7 +125,8 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
     else:
         ifm = first_microbatch(is_first_microbatch, layer)
         x = autocast_input(x)
-        steps = [GemmStep.begin(g, w, recipe, workspace, ifm, update_state, batch_scales)
+        configs: dict = {}
+        steps = [GemmStep.begin(g, w, recipe, workspace, ifm, update_state, batch_scales, configs)
                  for g, w in zip(gemms, weights)]
         tensors = {k: v for st in steps for k, v in st.tensors().items()}
         slots = tuple(st.slot for st in steps)

@@ -157,15 +157,18 @@ class Gemm:
     its Lowering's (te_func.quant.lowering)."""
     weight: str
 
+    def __post_init__(self):
+        # Formed once, not at each of the ~30 reads a call makes per GEMM (a torch.compile trace
+        # interprets every one). Not a field: torch.compile rebuilds a constant Gemm from its fields.
+        index = self.weight.removeprefix("weight")
+        prefix = f"gemm{index}_" if index.isdigit() else self.weight.removesuffix("weight") \
+            if self.weight.endswith("weight") else f"{self.weight}_"    # an expert's GEMM, e.g. "down_proj3_"
+        object.__setattr__(self, "_prefix", prefix)
+
     @property
     def prefix(self) -> str:
         """The prefix of the GEMM's activation states (the input's and the output gradient's)."""
-        index = self.weight.removeprefix("weight")
-        if index.isdigit():
-            return f"gemm{index}_"
-        if self.weight.endswith("weight"):
-            return self.weight.removesuffix("weight")
-        return f"{self.weight}_"        # an expert's GEMM, e.g. "down_proj3" (te_func.nn.Experts)
+        return self._prefix     # type: ignore[attr-defined]  # set in __post_init__
 
     @property
     def cast(self) -> str:
