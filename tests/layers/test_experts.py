@@ -274,3 +274,45 @@ def test_a_linear_router_beside_experts_stays_in_high_precision(caplog):
     assert type(block.gate) is torch.nn.Linear and isinstance(block.proj, tef.nn.Linear)
     assert "router" in caplog.text
     assert isinstance(tef.convert(block.gate), tef.nn.Linear)   # on its own, as asked
+
+
+def test_gpt_oss_experts_keep_their_transposed_layout_biases_and_gate():
+    """gpt-oss's experts: weights stored (experts, in, out), biases, interleaved [gate, up] rows read by
+    a clamped gate of their own, which the converted layer runs under every recipe."""
+    torch.manual_seed(5)
+    cfg = T.GptOssConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=H, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                         num_experts_per_tok=2, max_position_embeddings=64)
+    original = T.GptOssForCausalLM(cfg).float()
+    model = tef.convert(copy.deepcopy(original))
+    (layer,) = _experts_of(model).values()
+    assert layer.is_transposed and layer.has_bias and layer._custom_gate is type(
+        original.model.layers[0].mlp.experts)._apply_gate
+    ids = torch.randint(3, VOCAB, (2, 16))
+    with torch.no_grad():
+        exact = original(input_ids=ids).logits
+        assert torch.equal(model(input_ids=ids).logits, exact)
+        recipe = Float8CurrentScaling()
+        ws = tef.init_workspaces(model, recipe)
+        fp8 = tef.functional_call(model, detached_params(model), ws, (), {"input_ids": ids}, recipe=recipe)[0].logits
+    assert 20 < sqnr(exact.double(), fp8.double()) < 200       # FP8, the same function
+
+
+def test_experts_without_a_gate_and_transposed_meet_float64():
+    """has_gate=False (`up_proj`, the activation alone) and weights stored (experts, in, out)."""
+    torch.manual_seed(6)
+    layer = tef.nn.Experts(E, H, INTER, has_gate=False, is_transposed=True, act_fn=torch.nn.GELU())
+    assert layer.up_proj.shape == (E, H, INTER) and layer.down_proj.shape == (E, INTER, H)
+    x = torch.randn(24, H)
+    index, weights = _routing(24)
+    recipe = Float8CurrentScaling()
+    out, ws = tef.functional_call(layer, detached_params(layer), tef.init_workspaces(layer, recipe),
+                                  (x, index, weights), recipe=recipe)
+    assert "up_proj0_cast.data" in ws
+    exact = torch.zeros(24, H, dtype=torch.float64)
+    up, down = layer.up_proj.detach().double(), layer.down_proj.detach().double()
+    for t in range(24):
+        for j in range(K):
+            e = index[t, j]
+            exact[t] += weights[t, j].double() * (torch.nn.functional.gelu(x[t].double() @ up[e]) @ down[e])
+    assert sqnr(exact, out.double()) > 20
