@@ -315,7 +315,7 @@ class FrozenGroupedLinear(FrozenLayer):
 class FrozenExperts(FrozenLayer):
     """Frozen Experts: forward(hidden_states, top_k_index, top_k_weights) as the source layer's under
     its recipe. Each expert's token count is read on the host (as FrozenGroupedLinear's m_splits),
-    so under torch.compile it runs eagerly only; see docs/inference.md."""
+    so under torch.compile it stops with that error; see docs/layers.md, "Experts"."""
     features_attr = "hidden_dim"
     num_experts: int
     hidden_dim: int
