@@ -15,7 +15,7 @@ import torch
 from ..errors import TransformError
 from ..quant import Gemm
 from ..quant.tensor import batched_by_vmap
-from .grouped_linear import grouped_linear
+from .grouped_linear import counts_stay_on_device, grouped_linear
 
 __all__ = ["experts", "expert_gemms", "route", "combine"]
 
@@ -77,6 +77,10 @@ def experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         raise TransformError(f"{layer}: vmap over routed tokens (per-sample gradients of a mixture of experts) "
                              f"is not supported under an FP8 recipe: each sample's tokens go to experts of "
                              f"their own. Differentiate the batch as a whole (tef.grad)", layer=layer)
+    if recipe is not None and torch.compiler.is_compiling() and not counts_stay_on_device(recipe, batch_scales):
+        raise ValueError(f"{layer}: under torch.compile, {type(recipe).__name__} (or its backward_override) reads "
+                         f"each expert's token count on the host, which a trace cannot; compile the experts under "
+                         f"Float8CurrentScaling or DelayedScaling, whose counts stay on the device, or run eagerly")
     num_experts, dtype = up.shape[0], hidden_states.dtype
     x = hidden_states.reshape(-1, hidden_states.shape[-1])                          # (tokens, hidden)
     k = top_k_index.shape[1]

@@ -13,7 +13,8 @@ from ..quant.tensor import batched_by_vmap
 from ._common import autocast_input, check_input, first_microbatch
 from ._gemm import GemmStep
 
-__all__ = ["grouped_linear", "split_sizes", "fp8_split_sizes", "grouped_gemms", "device_offsets"]
+__all__ = ["grouped_linear", "split_sizes", "fp8_split_sizes", "grouped_gemms", "device_offsets",
+           "counts_stay_on_device"]
 
 
 def grouped_gemms(num_gemms: int) -> tuple[Gemm, ...]:
@@ -64,6 +65,14 @@ def fp8_split_sizes(m_splits, num_gemms: int, tokens: int, recipe, layer: str = 
     return split_sizes(m_splits, num_gemms, tokens, layer)
 
 
+def counts_stay_on_device(recipe, batch_scales: bool = False) -> bool:
+    """Whether a tensor of counts runs on the device under `recipe`: tensor-wise scaling of every
+    role (current and delayed), no backward_override, outside batch scope."""
+    if recipe is None or batch_scales or recipe.backward_override is not None:
+        return False
+    return not any(s.block is not None or s.nvfp4 for s in (scheme_for(recipe, r) for r in ("input", "weight", "grad")))
+
+
 def device_offsets(m_splits, num_gemms: int, x: torch.Tensor, recipe, batch_scales: bool,
                    layer: str = "GroupedLinear") -> torch.Tensor | None:
     """The groups' ends (G,) int32 on x's device, where m_splits is a 1-D integer tensor and the
@@ -71,10 +80,8 @@ def device_offsets(m_splits, num_gemms: int, x: torch.Tensor, recipe, batch_scal
     batch scope and vmap: those calls run with no host sync (GroupedLinearRunsFP8). Else None.
     The counts are checked on the device (non-negative, summing to the tokens); a CPU tensor given
     eagerly is checked on the host first, with `split_sizes`' message."""
-    if (recipe is None or not isinstance(m_splits, torch.Tensor) or batch_scales
-            or recipe.backward_override is not None or batched_by_vmap(x) or batched_by_vmap(m_splits)):
-        return None
-    if any(s.block is not None or s.nvfp4 for s in (scheme_for(recipe, r) for r in ("input", "weight", "grad"))):
+    if (not isinstance(m_splits, torch.Tensor) or not counts_stay_on_device(recipe, batch_scales)
+            or batched_by_vmap(x) or batched_by_vmap(m_splits)):
         return None
     if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.dtype.is_complex \
             or m_splits.dtype == torch.bool or m_splits.shape[0] != num_gemms:

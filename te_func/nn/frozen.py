@@ -339,6 +339,11 @@ class FrozenExperts(FrozenLayer):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         inp = self._tokens(hidden_states)
         x = inp.reshape(-1, self.hidden_dim)                                        # (tokens, hidden)
+        if torch.compiler.is_compiling():
+            raise ValueError(f"{self.layer}: a frozen model reads each expert's token count on the host, which "
+                             f"torch.compile cannot trace under FP8; run the frozen model eagerly, or compile the "
+                             f"trained model's forward (tef.functional_call under torch.no_grad), whose counts stay "
+                             f"on the device under current and delayed scaling")
         k, n = top_k_index.shape[-1], self.num_experts
         order, counts = route(top_k_index, n)
         sizes = fp8_split_sizes(counts, n, order.shape[0], self._recipe_name, self.layer)

@@ -316,3 +316,32 @@ def test_experts_without_a_gate_and_transposed_meet_float64():
             e = index[t, j]
             exact[t] += weights[t, j].double() * (torch.nn.functional.gelu(x[t].double() @ up[e]) @ down[e])
     assert sqnr(exact, out.double()) > 20
+
+
+# fullgraph=True reports the ValueError raised while tracing as Unsupported, its message kept
+COMPILE_REFUSAL = (ValueError, torch._dynamo.exc.Unsupported)
+
+
+def test_what_cannot_compile_says_so():
+    """Block scaling reads the counts on the host, and so does a frozen model: compiled, each says so
+    and names what compiles (eager runs them)."""
+    torch._dynamo.reset()
+    torch.manual_seed(7)
+    layer = tef.nn.Experts(E, H, INTER)
+    x = torch.randn(16, H)
+    index, weights = _routing(16)
+    recipe = MXFP8BlockScaling()
+    ws = tef.init_workspaces(layer, recipe)
+    params = detached_params(layer)
+
+    def fwd(x):
+        return tef.functional_call(layer, params, ws, (x, index, weights), recipe=recipe)[0]
+    fwd(x)                                                            # eager: the host path
+    with pytest.raises(COMPILE_REFUSAL, match="Float8CurrentScaling or DelayedScaling, whose counts stay on the device"):
+        torch.compile(fwd, fullgraph=True, backend="eager")(x)
+
+    frozen = tef.freeze(layer, Float8CurrentScaling())
+    with torch.no_grad():
+        frozen(x, index, weights)                                     # eager
+        with pytest.raises(COMPILE_REFUSAL, match="run the frozen model eagerly"):
+            torch.compile(frozen, fullgraph=True, backend="eager")(x, index, weights)
