@@ -37,18 +37,18 @@ def _leaves(module):
     return {k: v.requires_grad_() for k, v in detached_params(module).items()}
 
 
-def _loop_reference(layer, x, index, weights, recipe, ws):
+def _loop_reference(layer, params, x, index, weights, recipe, ws):
     """The same experts as one te_func grouped_linear per projection over the groups' sizes as a list
     (one GEMM per expert, the path GroupedLinear runs for m_splits lists), combined by hand."""
     ids = index.reshape(-1)
     order = torch.argsort(ids, stable=True)
     sizes = torch.bincount(ids, minlength=E).tolist()
     run = dict(recipe=recipe, workspace=ws, is_first_microbatch=None)
-    up, _ = tef.functional.grouped_linear(x[order // K], sizes, list(layer.gate_up_proj.unbind(0)),
+    up, _ = tef.functional.grouped_linear(x[order // K], sizes, list(params["gate_up_proj"].unbind(0)),
                                           gemms=layer.gemms()[:E], **run)
     gate, lin = up.chunk(2, -1)
-    y, _ = tef.functional.grouped_linear(torch.nn.functional.silu(gate) * lin, sizes, list(layer.down_proj.unbind(0)),
-                                         gemms=layer.gemms()[E:], **run)
+    y, _ = tef.functional.grouped_linear(torch.nn.functional.silu(gate) * lin, sizes,
+                                         list(params["down_proj"].unbind(0)), gemms=layer.gemms()[E:], **run)
     per_pair = torch.empty_like(y).index_copy(0, order, y).view(-1, K, H)
     return sum(weights[:, j, None] * per_pair[:, j] for j in range(K))
 
@@ -65,8 +65,7 @@ def test_experts_equal_one_gemm_per_expert_and_float64(recipe):
     grads = torch.autograd.grad(out.square().sum(), [x, *params.values()])
 
     ref_params = _leaves(layer)
-    with torch.nn.utils.stateless._reparametrize_module(layer, ref_params):
-        want = _loop_reference(layer, x, index, weights, recipe, ws)
+    want = _loop_reference(layer, ref_params, x, index, weights, recipe, ws)
     want_grads = torch.autograd.grad(want.square().sum(), [x, *ref_params.values()])
     assert torch.equal(out, want)
     for g, w in zip(grads, want_grads):
@@ -338,7 +337,7 @@ def test_what_cannot_compile_says_so():
     def fwd(x):
         return tef.functional_call(layer, params, ws, (x, index, weights), recipe=recipe)[0]
     fwd(x)                                                            # eager: the host path
-    with pytest.raises(COMPILE_REFUSAL, match="Float8CurrentScaling or DelayedScaling, whose counts stay on the device"):
+    with pytest.raises(COMPILE_REFUSAL, match="DelayedScaling, whose counts stay on the device"):
         torch.compile(fwd, fullgraph=True, backend="eager")(x)
 
     frozen = tef.freeze(layer, Float8CurrentScaling())
