@@ -17,7 +17,7 @@ from ..quant import Gemm
 from ..quant.tensor import batched_by_vmap
 from .grouped_linear import counts_stay_on_device, grouped_linear
 
-__all__ = ["experts", "expert_gemms", "route", "combine"]
+__all__ = ["experts", "expert_gemms", "check_routing", "route", "combine"]
 
 
 def expert_gemms(param: str, num_experts: int) -> tuple[Gemm, ...]:
@@ -27,9 +27,24 @@ def expert_gemms(param: str, num_experts: int) -> tuple[Gemm, ...]:
     return tuple(Gemm(f"{param}{i}") for i in range(num_experts))
 
 
+def check_routing(layer: str, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> None:
+    """Clear errors for routing tensors that do not fit the tokens (their metadata only)."""
+    tokens = hidden_states.reshape(-1, hidden_states.shape[-1]).shape[0] if hidden_states.dim() else -1
+    if top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != tokens:
+        raise ValueError(f"{layer}: top_k_index and top_k_weights must both be (tokens, k) for hidden_states of "
+                         f"{tuple(hidden_states.shape)}, got {tuple(top_k_index.shape)} and "
+                         f"{tuple(top_k_weights.shape)}")
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype.is_complex or top_k_index.dtype == torch.bool:
+        raise TypeError(f"{layer}: top_k_index must be an integer tensor, got {top_k_index.dtype}")
+
+
 def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, counts): the (token, slot) pairs sorted by expert, stably, and each expert's count."""
+    """(order, counts): the (token, slot) pairs sorted by expert, stably, and each expert's count.
+    An expert id outside [0, num_experts) fails on the device, with no host sync."""
     ids = top_k_index.reshape(-1)                                                   # (S,)
+    torch._assert_async(((ids >= 0) & (ids < num_experts)).all(),
+                        f"Experts: top_k_index holds an expert id outside [0, {num_experts})")
     order = torch.argsort(ids, stable=True)
     # scatter_add_, not bincount: its size is num_experts whatever the ids, so a trace stays static.
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
@@ -65,13 +80,7 @@ def experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     if up.dim() != 3 or down.dim() != 3 or up.shape[0] != down.shape[0] or up.shape[2] != down.shape[1]:
         raise ValueError(f"{layer}: up must be (experts, N, hidden) and down (experts, hidden, I), got "
                          f"{tuple(up.shape)} and {tuple(down.shape)}")
-    if top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape or \
-            top_k_index.shape[0] != hidden_states.reshape(-1, hidden_states.shape[-1]).shape[0]:
-        raise ValueError(f"{layer}: top_k_index and top_k_weights must both be (tokens, k) for hidden_states of "
-                         f"{tuple(hidden_states.shape)}, got {tuple(top_k_index.shape)} and "
-                         f"{tuple(top_k_weights.shape)}")
-    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
-        raise TypeError(f"{layer}: top_k_index must be an integer tensor, got {top_k_index.dtype}")
+    check_routing(layer, hidden_states, top_k_index, top_k_weights)
     if recipe is not None and any(batched_by_vmap(t) for t in (hidden_states, top_k_index)):
         # Each sample routes its tokens its own way: its groups would need counts of their own.
         raise TransformError(f"{layer}: vmap over routed tokens (per-sample gradients of a mixture of experts) "

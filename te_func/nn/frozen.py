@@ -16,7 +16,7 @@ from torch import nn
 
 from ..functional._common import autocast_input, check_input
 from ..functional._fused import norm_config
-from ..functional.experts import combine, route
+from ..functional.experts import check_routing, combine, route
 from ..functional.grouped_linear import fp8_split_sizes
 from ..errors import EntryMismatchError, FrozenModelError, MissingEntryError, RecipeMismatchError
 from ..ops import (GemmConfig, GemmSlot, GroupedLinearFP8, LayerNormLinearFP8, LayerNormMLPFP8, LinearFP8,
@@ -26,7 +26,7 @@ from ..quant import Gemm, Quantized, lower
 from ..quant.workspace import FORMAT_VERSION, RECIPE_ENTRY, RECIPE_KEY, fingerprint_entry
 from ..recipe import fingerprint
 from ._fused import te_outputs
-from .experts import Experts, apply_gate, gate
+from .experts import Experts, gate
 from .grouped_linear import GroupedLinear
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
@@ -323,9 +323,6 @@ class FrozenExperts(FrozenLayer):
     has_gate: bool
     down_proj_bias: torch.Tensor | None
 
-    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
-        return apply_gate(self, gate_up_out)
-
     def __init__(self, source: TEModule, *args, **kwargs):
         super().__init__(source, *args, **kwargs)
         assert isinstance(source, Experts)
@@ -338,6 +335,7 @@ class FrozenExperts(FrozenLayer):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         inp = self._tokens(hidden_states)
+        check_routing(self.layer, inp, top_k_index, top_k_weights)
         x = inp.reshape(-1, self.hidden_dim)                                        # (tokens, hidden)
         if torch.compiler.is_compiling():
             raise ValueError(f"{self.layer}: a frozen model reads each expert's token count on the host, which "

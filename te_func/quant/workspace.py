@@ -161,8 +161,12 @@ class Gemm:
         # Formed once, not at each of the ~30 reads a call makes per GEMM (a torch.compile trace
         # interprets every one). Not a field: torch.compile rebuilds a constant Gemm from its fields.
         index = self.weight.removeprefix("weight")
-        prefix = f"gemm{index}_" if index.isdigit() else self.weight.removesuffix("weight") \
-            if self.weight.endswith("weight") else f"{self.weight}_"    # an expert's GEMM, e.g. "down_proj3_"
+        if index.isdigit():                     # GroupedLinear's weight{i}
+            prefix = f"gemm{index}_"
+        elif self.weight.endswith("weight"):    # "weight", "fc1_weight"
+            prefix = self.weight.removesuffix("weight")
+        else:                                   # an expert's slice, "down_proj3"
+            prefix = f"{self.weight}_"
         object.__setattr__(self, "_prefix", prefix)
 
     @property

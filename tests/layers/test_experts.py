@@ -345,3 +345,26 @@ def test_what_cannot_compile_says_so():
         frozen(x, index, weights)                                     # eager
         with pytest.raises(COMPILE_REFUSAL, match="run the frozen model eagerly"):
             torch.compile(frozen, fullgraph=True, backend="eager")(x, index, weights)
+
+
+def test_routing_that_does_not_fit_the_tokens_is_refused():
+    layer = tef.nn.Experts(E, H, INTER)
+    recipe = Float8CurrentScaling()
+    ws = tef.init_workspaces(layer, recipe)
+    params = detached_params(layer)
+    x = torch.randn(8, H)
+    index, weights = _routing(8)
+    frozen = tef.freeze(layer, recipe)
+
+    def both(*args):
+        yield lambda: tef.functional_call(layer, params, ws, args, recipe=recipe)
+        yield lambda: frozen(*args)
+    cases = [((x, index[:6], weights[:6]), ValueError, r"must both be \(tokens, k\) for hidden_states of \(8, 64\)"),
+             ((x, index, weights[:, :1]), ValueError, "must both be"),
+             ((x, index.float(), weights), TypeError, "top_k_index must be an integer tensor"),
+             ((x, index + E - 1, weights), RuntimeError, r"expert id outside \[0, 4\)")]
+    with torch.no_grad():
+        for args, error, message in cases:
+            for call in both(*args):
+                with pytest.raises(error, match=message):
+                    call()
