@@ -39,6 +39,16 @@ def _configs():
                                   (64, 256, 128, 4, 3))]
 
 
+@triton.jit
+def _dot(a, b, acc, FAST_ACCUM: tl.constexpr):
+    if _INTERPRETED:    # the interpreter has no FP8 product: the same values in fp32
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif FAST_ACCUM:    # the tensor cores' own accumulation over all of K
+        return tl.dot(a, b, acc)
+    else:               # a K tile's sum added in fp32, as cuBLAS does with fast accumulation off
+        return acc + tl.dot(a, b)
+
+
 @triton.autotune(configs=_configs(), key=["M", "N", "K", "G", "OFFSETS", "FAST_ACCUM"])
 @triton.jit
 def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, offs_ptr, out_ptr, M, N, K, G,
@@ -85,12 +95,7 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, offs_ptr, out_ptr, M
         # b's tile read as (BLOCK_K, BLOCK_N): the transpose the product needs, by addressing.
         b = tl.load(b_base + cols[None, :].to(tl.int64) * K + k[:, None], mask=col_ok[None, :] & (k[:, None] < K),
                     other=0.0)
-        if _INTERPRETED:    # the interpreter has no FP8 product: the same values in fp32
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        elif FAST_ACCUM:    # the tensor cores' own accumulation over all of K
-            acc = tl.dot(a, b, acc)
-        else:               # a K tile's sum added in fp32, as cuBLAS does with fast accumulation off
-            acc += tl.dot(a, b)
+        acc = _dot(a, b, acc, FAST_ACCUM)
     acc = acc * (tl.load(sa_ptr + group * sa_group_stride) * tl.load(sb_ptr + group * sb_group_stride))
     if HAS_BIAS:
         bias = tl.load(bias_ptr + group.to(tl.int64) * bias_group_stride + cols, mask=col_ok, other=0.0)
@@ -99,10 +104,27 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, offs_ptr, out_ptr, M
     tl.store(out_base + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=where)
 
 
+@triton.jit
+def _run_edge(a_ptr, b_ptr, rows, cols, row_ok, col_ok, lda, ldb, T, k0, lo, hi, acc, FAST_ACCUM: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """One K tile from aligned k0, the columns outside [lo, hi) zeroed after the load: the load keeps
+    its 16-byte vectors where T is a multiple of 16, and the select costs one tile."""
+    k = tl.multiple_of(k0, 16) + tl.arange(0, BLOCK_K)
+    k_ok = (k >= lo) & (k < hi)
+    a = tl.load(a_ptr + rows[:, None].to(tl.int64) * lda + k[None, :], mask=row_ok[:, None] & (k[None, :] < T),
+                other=0.0)
+    b = tl.load(b_ptr + cols[None, :].to(tl.int64) * ldb + k[:, None], mask=col_ok[None, :] & (k[:, None] < T),
+                other=0.0)
+    a = tl.where(k_ok[None, :], a, tl.zeros_like(a))
+    b = tl.where(k_ok[:, None], b, tl.zeros_like(b))
+    return _dot(a, b, acc, FAST_ACCUM)
+
+
 @triton.autotune(configs=_configs(), key=["M", "N", "T", "G", "FAST_ACCUM"])
 @triton.jit
-def _k_runs_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, M, N, T, G, sa_group_stride, sb_group_stride,
-                   FAST_ACCUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _k_runs_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, M, N, T, G, lda, ldb, sa_group_stride,
+                   sb_group_stride, FAST_ACCUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
     pid_m, pid_n, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0)
     end = tl.load(offs_ptr + group)
@@ -112,23 +134,23 @@ def _k_runs_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, M, N, T, G, 
     row_ok = rows < M
     col_ok = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # The run starts anywhere; its tiles start at a multiple of 16 below it (the columns before the
-    # run masked off), so the loads can be aligned and vectorized. Started at the run's own column,
-    # this kernel ran 13x slower than the forward's on the same FLOPs (8 x 4096 x 14336, H100).
-    first = tl.multiple_of((start // 16) * 16, 16)
-    for k0 in range(first, end, BLOCK_K):
+    # A run starts and ends anywhere. Its whole tiles from its first multiple of 16 load unmasked
+    # along K, 16-byte aligned (the row strides are multiples of 16): a mask that changes inside 16
+    # columns would split every load into bytes, 13x slower than the forward on the same FLOPs
+    # (8 x 4096 x 14336, H100). The columns before and after them take one edge tile each.
+    lo = tl.multiple_of((start + 15) // 16 * 16, 16)
+    whole = tl.maximum(end - lo, 0) // BLOCK_K
+    hi = lo + whole * BLOCK_K
+    for k0 in range(lo, hi, BLOCK_K):
         k = k0 + ks
-        k_ok = (k >= start) & (k < end)
-        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * T + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        b = tl.load(b_ptr + cols[None, :].to(tl.int64) * T + k[:, None], mask=col_ok[None, :] & k_ok[:, None],
-                    other=0.0)
-        if _INTERPRETED:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        elif FAST_ACCUM:
-            acc = tl.dot(a, b, acc)
-        else:
-            acc += tl.dot(a, b)
+        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * lda + k[None, :], mask=row_ok[:, None], other=0.0)
+        b = tl.load(b_ptr + cols[None, :].to(tl.int64) * ldb + k[:, None], mask=col_ok[None, :], other=0.0)
+        acc = _dot(a, b, acc, FAST_ACCUM)
+    if start < lo:      # the head: under 16 columns, [start, min(lo, end))
+        acc = _run_edge(a_ptr, b_ptr, rows, cols, row_ok, col_ok, lda, ldb, T, lo - 16, start, tl.minimum(lo, end), acc,
+                        FAST_ACCUM, BLOCK_K)
+    if hi < end:        # the tail: under BLOCK_K columns
+        acc = _run_edge(a_ptr, b_ptr, rows, cols, row_ok, col_ok, lda, ldb, T, hi, hi, end, acc, FAST_ACCUM, BLOCK_K)
     acc = acc * (tl.load(sa_ptr + group * sa_group_stride) * tl.load(sb_ptr + group * sb_group_stride))
     out = out_ptr + group.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -154,7 +176,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
     a (T, K) -> (T, N), rows past offs[-1] zeros; with b (N, T): a (M, T) -> (G, M, N), runs along
     K (no bias). A group stride of 0 shares an operand."""
     if offs is not None and b.dim() == 2:
-        return _k_runs(a.contiguous(), b.contiguous(), scale_a.reshape(-1), scale_b.reshape(-1), out_dtype, fast_accum,
+        return _k_runs(a, b, scale_a.reshape(-1), scale_b.reshape(-1), out_dtype, fast_accum,
                        offs)
     offsets = offs is not None
     a = a.contiguous() if offsets else _inner_contiguous(a)
@@ -188,6 +210,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
 
 def _k_runs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
             fast_accum: bool, offs: torch.Tensor) -> torch.Tensor:
+    a, b = _rows_of_16(a), _rows_of_16(b)
     (m, t), n, g = a.shape, b.shape[0], offs.shape[0]
     out = torch.empty((g, m, n), device=a.device, dtype=out_dtype)
     if out.numel() == 0:
@@ -195,6 +218,17 @@ def _k_runs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: to
 
     def grid(meta):
         return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), g
-    _k_runs_kernel[grid](a, b, scale_a, scale_b, offs, out, m, n, t, g, _scale_stride(scale_a), _scale_stride(scale_b),
-                         FAST_ACCUM=fast_accum)
+    _k_runs_kernel[grid](a, b, scale_a, scale_b, offs, out, m, n, t, g, a.stride(0), b.stride(0),
+                         _scale_stride(scale_a), _scale_stride(scale_b), FAST_ACCUM=fast_accum)
     return out
+
+
+def _rows_of_16(t: torch.Tensor) -> torch.Tensor:
+    """t (R, T) with unit column stride, a row stride a multiple of 16 and its start 16-byte aligned:
+    the kernel's K loads are then whole 16-byte vectors. A copy into padded rows where not."""
+    if t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0:
+        return t
+    rows, cols = t.shape
+    padded = t.new_empty((rows, -(-cols // 16) * 16))
+    padded[:, :cols] = t
+    return padded[:, :cols]
