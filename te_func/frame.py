@@ -46,8 +46,12 @@ def _prefix(path: str) -> str:
 def workspace_spec(model: nn.Module, recipe: Recipe | None) -> dict[str, Entry]:
     """Every workspace entry `model` needs under `recipe`: key -> Entry(shape, dtype, kind, backward)."""
     _check_recipe(recipe)
+    return _spec_of(_te_modules(model), recipe)
+
+
+def _spec_of(layers: list, recipe) -> dict[str, Entry]:
     # Without the batch-scope entries (batch amaxes), with the weight casts.
-    spec = {k: e for path, m in _te_modules(model) for k, e in m.entries_at(recipe, path, (True, False)).keyed}
+    spec = {k: e for path, m in layers for k, e in m.entries_at(recipe, path, (True, False)).keyed}
     spec[RECIPE_KEY] = RECIPE_ENTRY
     return spec
 
@@ -55,7 +59,11 @@ def workspace_spec(model: nn.Module, recipe: Recipe | None) -> dict[str, Entry]:
 def batch_scope_spec(model: nn.Module, recipe: Recipe | None) -> dict[str, Entry]:
     """The entries (the batch's amaxes) a call in batch scope adds to `model`'s workspaces."""
     _check_recipe(recipe)
-    return {_prefix(path) + k: e for path, m in _te_modules(model) for k, e in m.batch_scope_spec(recipe).items()}
+    return _batch_spec_of(_te_modules(model), recipe)
+
+
+def _batch_spec_of(layers: list, recipe) -> dict[str, Entry]:
+    return {_prefix(path) + k: e for path, m in layers for k, e in m.batch_scope_spec(recipe).items()}
 
 
 def backward_keys(model: nn.Module, recipe) -> list[str]:
@@ -203,11 +211,11 @@ def _recipe_class_of(ws: dict) -> str:
     return "another recipe (or None)"
 
 
-def _entry_problems(model, ws, recipe, owners: dict, dropped: set):
-    """Yields a WorkspaceError for each entry of `ws` that does not fit `model` under `recipe`; fills
-    `owners` (as validate_workspaces returns it) and `dropped` (the kinds `ws` holds none of)."""
+def _entry_problems(layers: list, ws, recipe, owners: dict, dropped: set):
+    """Yields a WorkspaceError for each entry of `ws` that does not fit the te_func `layers` of a
+    model ((path, module) pairs) under `recipe`; fills `owners` (as validate_workspaces returns it)
+    and `dropped` (the kinds `ws` holds none of)."""
     expected = {RECIPE_KEY}
-    layers = _te_modules(model)
     # Batch-scope entries come all or none; so do weight casts (none: weight_cache=False).
     for kind in ("batch_amax", "cast"):
         keys = [k for path, m in layers for k in m.keys_of_kind(recipe, path, kind)]
@@ -272,8 +280,9 @@ def keeps_weight_casts(model, ws, recipe) -> bool:
     return _validate(model, ws, recipe)[1]
 
 
-def _validate(model, ws, recipe) -> tuple[dict, bool]:
-    """validate_workspaces' owners, and keeps_weight_casts' answer."""
+def _validate(model, ws, recipe, layers: list | None = None) -> tuple[dict, bool]:
+    """validate_workspaces' owners, and keeps_weight_casts' answer; `layers`: the model's
+    _te_modules where the caller has them (a traced call walks the module tree once)."""
     if not isinstance(ws, dict):
         raise TypeError(f"workspaces must be the dict from tef.init_workspaces(model, recipe), got {type(ws).__name__}")
     _check_recipe(recipe)
@@ -282,7 +291,8 @@ def _validate(model, ws, recipe) -> tuple[dict, bool]:
         raise layout
     owners: dict = {}
     dropped: set[str] = set()
-    first_entry = next(_entry_problems(model, ws, recipe, owners, dropped), None)
+    layers = _te_modules(model) if layers is None else layers
+    first_entry = next(_entry_problems(layers, ws, recipe, owners, dropped), None)
     made_for = _made_for_problem(ws, recipe)
     if made_for is not None:        # the recipe first: the entries' misfit follows from it
         raise made_for
@@ -323,26 +333,30 @@ def functional_call(model: nn.Module, params: dict[str, torch.Tensor] | tuple[di
 
 
 def call_watched(model: nn.Module, params, ws: dict, args=(), kwargs=None, *, recipe,
-                 is_first_microbatch: bool | None = None, amax_group=None, watch=None):
-    """`functional_call`, with `watch` (tef.Stateful's) handed to every layer's frame."""
-    if recipe is not None and not _te_modules(model):
+                 is_first_microbatch: bool | None = None, amax_group=None, watch=None, own_params: bool = False):
+    """`functional_call`, with `watch` (tef.Stateful's) handed to every layer's frame; own_params:
+    `params` are the model's own named tensors (tef.Stateful's), whose names need no check."""
+    # The module tree walked once a call: under torch.compile every walk is traced anew.
+    layers = _te_modules(model)
+    if recipe is not None and not layers:
         if any(isinstance(m, FrozenLayer) for m in model.modules()):
             raise FrozenModelError(f"tef.functional_call: {type(model).__name__} is frozen (tef.freeze): it holds "
                                    f"FP8 weight casts for inference only, with no workspaces to thread; call it "
                                    f"directly (frozen(x)), or train the model it was frozen from")
         raise ValueError(f"tef.functional_call: the model ({type(model).__name__}) has no te_func layers, so "
                          f"recipe={type(recipe).__name__} would change nothing; convert it first: tef.convert(model)")
-    _check_param_names(model, params)
+    if not own_params:
+        _check_param_names(model, params)
     if isinstance(ws, dict) and not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
         ws = outside_inference_mode(ws)     # workspaces an inference_mode call returned
-    owners, weight_cache = _validate(model, ws, recipe)
+    owners, weight_cache = _validate(model, ws, recipe, layers)
     if not weight_cache and is_first_microbatch is not None:
         raise ValueError(NO_CACHE.format(who="tef.functional_call", value=is_first_microbatch))
     group = distributed.amax_reduction_group(recipe, amax_group)
     scopes = open_call_scopes()
-    spec = workspace_spec(model, recipe) if scopes or group is not None else {}
+    spec = _spec_of(layers, recipe) if scopes or group is not None else {}
     if scopes:   # what tef.grad merges (and all-reduces over `group`) and te_func.vmapped folds
-        batch_spec = batch_scope_spec(model, recipe)
+        batch_spec = _batch_spec_of(layers, recipe)
         spec = {**spec, **{k: e for k, e in batch_spec.items() if k in ws}}
         backward = [k for k, e in spec.items() if e.backward]
         _refuse_second_differentiated_call(model, ws, owners, scopes, backward)

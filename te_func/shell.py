@@ -282,7 +282,8 @@ class Stateful(nn.Module):
                 watch = self._watcher()
         run = call_watched if compiling else _call_saying_what_changed
         out, new_ws = run(self.model, params, ws, args, kwargs, recipe=self.recipe,
-                          is_first_microbatch=is_first_microbatch, amax_group=self.amax_group, watch=watch)
+                          is_first_microbatch=is_first_microbatch, amax_group=self.amax_group, watch=watch,
+                          own_params=True)
         new_ws = {**new_ws, **{k: new_ws[k].detach() for k in self._backward_keys}}
         # dynamo cannot trace the inference_mode check: compiled calls skip it
         inference = not compiling and torch.is_inference_mode_enabled()
