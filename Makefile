@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 test: venv
 	$(VENV)/bin/ruff check te_func
 	$(VENV)/bin/mypy > .mypy.log 2>&1 & mypy=$$!; \
-	$(PY) -m pytest -n 2 -q --durations=15 tests $(PYTEST_ARGS); status=$$?; \
+	$(PY) -m pytest -n 2 --dist worksteal -q --durations=15 tests $(PYTEST_ARGS); status=$$?; \
 	wait $$mypy; typed=$$?; cat .mypy.log; [ $$typed -eq 0 ] && exit $$status || exit $$typed
 
 demo: venv
