@@ -89,15 +89,10 @@ def _routed(batch, dtype):
     return tokens, index, torch.softmax(torch.randn(batch * 8, 2), -1).to(dtype)
 
 
-_NORM_RECIPES = ("bf16", "current", "delayed")
 LAYERS = [
     LayerCase("Linear", lambda dt: tef.nn.Linear(64, 48, params_dtype=dt), _tokens(64)),
-    # The norms run in high precision under every recipe (as TE's): their slow columns run under
-    # no recipe, a stateless and a stateful one; the eager columns under every recipe.
-    LayerCase("LayerNorm", lambda dt: tef.nn.LayerNorm(64, params_dtype=dt), _tokens(64),
-              slow_recipes=_NORM_RECIPES),
-    LayerCase("RMSNorm", lambda dt: tef.nn.RMSNorm(64, zero_centered_gamma=True, params_dtype=dt), _tokens(64),
-              slow_recipes=_NORM_RECIPES),
+    LayerCase("LayerNorm", lambda dt: tef.nn.LayerNorm(64, params_dtype=dt), _tokens(64)),
+    LayerCase("RMSNorm", lambda dt: tef.nn.RMSNorm(64, zero_centered_gamma=True, params_dtype=dt), _tokens(64)),
     LayerCase("LayerNormLinear", lambda dt: tef.nn.LayerNormLinear(64, 48, params_dtype=dt), _tokens(64)),
     LayerCase("LayerNormMLP-gelu", lambda dt: tef.nn.LayerNormMLP(64, 96, params_dtype=dt), _tokens(64)),
     LayerCase("LayerNormMLP-swiglu", lambda dt: tef.nn.LayerNormMLP(64, 96, normalization="RMSNorm",

@@ -625,15 +625,6 @@ def test_inference_mode_and_meta_loading_leave_training_bit_identical(case, reci
 
 # --- Stateful -----------------------------------------------------------------------------------
 
-def _shell_compiled_recipes(case) -> tuple[str, ...]:
-    """The recipes a layer's compiled shell runs under. What a compiled shell adds to the compiled
-    tef.grad step (every layer and recipe above) depends on the recipe's state alone: none, a
-    current scale, DelayedScaling's histories delivered through the shell's inboxes. Every recipe
-    compiles on Linear; the other layers under those three (CI time: the block and FP4 recipes'
-    compiled shells took two minutes of CI's CPU and compute what the tef.grad step does)."""
-    return tuple(rid for rid, _ in RECIPES) if case.name == "Linear" else ("bf16", "current", "delayed")
-
-
 @pytest.mark.parametrize("case, recipe", MATRIX)
 def test_stateful_backward_equals_grad_and_compiles(case, recipe):
     """Two microbatches through tef.Stateful + .backward() accumulate what tef.grad gives,
@@ -652,7 +643,7 @@ def test_stateful_backward_equals_grad_and_compiles(case, recipe):
     eager_shell = tef.Stateful(copy.deepcopy(s.model), recipe)
     runs = [(eager_shell, eager_shell)]
     rid = next(rid for rid, r in RECIPES if r is recipe)
-    if (case.slow_recipes is None or rid in case.slow_recipes) and rid in _shell_compiled_recipes(case):
+    if case.slow_recipes is None or rid in case.slow_recipes:
         compiled_shell = tef.Stateful(copy.deepcopy(s.model), recipe)
         runs.append((compiled_shell, torch.compile(compiled_shell, fullgraph=True, backend=counter)))
     for shell, call in runs:
