@@ -49,13 +49,27 @@ def _dot(a, b, acc, FAST_ACCUM: tl.constexpr):
         return acc + tl.dot(a, b)
 
 
+@triton.jit
+def _tile(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """The (row tile, column tile) program `pid` computes, GROUP_M row tiles at a time across all
+    column tiles: the programs running together read GROUP_M row tiles and every column tile, which
+    stay in L2, instead of every row tile once per column tile (column-major order would re-read
+    a 117 MB operand 32 times at a Mixtral expert's weight gradient)."""
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % width) % rows, (pid % width) // rows
+
+
 @triton.autotune(configs=_configs(), key=["M", "N", "K", "G", "OFFSETS", "FAST_ACCUM"])
 @triton.jit
 def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, offs_ptr, out_ptr, M, N, K, G,
                     a_group_stride, b_group_stride, sa_group_stride, sb_group_stride, bias_group_stride,
                     OFFSETS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr = 8):
+    tiles_m = (M + BLOCK_M - 1) // BLOCK_M + (G if OFFSETS else 0)   # as the grid counts them
+    pid_m, pid_n = _tile(tl.program_id(0), tiles_m, (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
     if OFFSETS:
         # Which run's which row tile: walk the runs' tile counts (G scalar loads, from cache).
         group = tl.full([], -1, tl.int32)
@@ -76,7 +90,7 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, offs_ptr, out_ptr, M
             return
         out_base = out_ptr
     else:
-        group = tl.program_id(2)
+        group = tl.program_id(1)
         row0 = pid_m * BLOCK_M
         row_end = M
         out_base = out_ptr + group.to(tl.int64) * M * N
@@ -124,8 +138,9 @@ def _run_edge(a_ptr, b_ptr, rows, cols, row_ok, col_ok, lda, ldb, T, k0, lo, hi,
 @triton.jit
 def _k_runs_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, M, N, T, G, lda, ldb, sa_group_stride,
                    sb_group_stride, FAST_ACCUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    pid_m, pid_n, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr = 8):
+    pid_m, pid_n = _tile(tl.program_id(0), (M + BLOCK_M - 1) // BLOCK_M, (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
+    group = tl.program_id(1)
     start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0)
     end = tl.load(offs_ptr + group)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -199,9 +214,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
         return out
 
     def grid(meta):
-        if offsets:
-            return triton.cdiv(m, meta["BLOCK_M"]) + g, triton.cdiv(n, meta["BLOCK_N"]), 1
-        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), g
+        tiles = (triton.cdiv(m, meta["BLOCK_M"]) + (g if offsets else 0)) * triton.cdiv(n, meta["BLOCK_N"])
+        return (tiles, 1) if offsets else (tiles, g)
     _grouped_kernel[grid](a, b, scale_a, scale_b, bias, offs if offsets else scale_a, out, m, n, k, g,
                           0 if offsets else a.stride(0), b.stride(0), _scale_stride(scale_a), _scale_stride(scale_b),
                           bias_stride, OFFSETS=offsets, HAS_BIAS=has_bias, FAST_ACCUM=fast_accum)
@@ -217,7 +231,7 @@ def _k_runs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: to
         return out
 
     def grid(meta):
-        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), g
+        return triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), g
     _k_runs_kernel[grid](a, b, scale_a, scale_b, offs, out, m, n, t, g, a.stride(0), b.stride(0),
                          _scale_stride(scale_a), _scale_stride(scale_b), FAST_ACCUM=fast_accum)
     return out
