@@ -161,10 +161,11 @@ def _k_runs_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, offs_ptr, out_ptr, M, N, T, G, 
         a = tl.load(a_ptr + rows[:, None].to(tl.int64) * lda + k[None, :], mask=row_ok[:, None], other=0.0)
         b = tl.load(b_ptr + cols[None, :].to(tl.int64) * ldb + k[:, None], mask=col_ok[None, :], other=0.0)
         acc = _dot(a, b, acc, FAST_ACCUM)
-    if start < lo:      # the head: under 16 columns, [start, min(lo, end))
-        acc = _run_edge(a_ptr, b_ptr, rows, cols, row_ok, col_ok, lda, ldb, T, lo - 16, start, tl.minimum(lo, end), acc,
+    head_end = tl.minimum(lo, end)
+    if start < head_end:    # the head: under 16 columns
+        acc = _run_edge(a_ptr, b_ptr, rows, cols, row_ok, col_ok, lda, ldb, T, lo - 16, start, head_end, acc,
                         FAST_ACCUM, BLOCK_K)
-    if hi < end:        # the tail: under BLOCK_K columns
+    if hi < end:            # the tail: under BLOCK_K columns
         acc = _run_edge(a_ptr, b_ptr, rows, cols, row_ok, col_ok, lda, ldb, T, hi, hi, end, acc, FAST_ACCUM, BLOCK_K)
     acc = acc * (tl.load(sa_ptr + group * sa_group_stride) * tl.load(sb_ptr + group * sb_group_stride))
     out = out_ptr + group.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
