@@ -12,13 +12,15 @@ histories as the forward was given them, so its amax lands likewise."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from . import _compat, distributed
 
-__all__ = ["merge", "reduce_amaxes", "merge_inboxes", "DeliverToInboxes", "deliver", "merge_when_backward_ends",
-           "remove_hooks"]
+__all__ = ["merge", "reduce_amaxes", "merge_inboxes", "DeliverToInboxes", "AmaxInboxes", "deliver",
+           "merge_when_backward_ends", "remove_hooks"]
 
 
 # --- tef.grad ------------------------------------------------------------------------------
@@ -85,33 +87,44 @@ class DeliverToInboxes(torch.autograd.Function):
         return (None,) * (2 * len(amaxes))
 
 
-def deliver(shell_ref, key: str, amax: torch.Tensor):
+class AmaxInboxes(Protocol):
+    """What the eager hooks below deliver a backward's amaxes to (tef.Stateful is one), held by a
+    weak reference: these three methods are all they use of it."""
+
+    def _amax_inbox(self, key: str) -> torch.Tensor | None:
+        """History `key`'s inbox, which backwards fill by max (None: no history of that key)."""
+
+    def _claim_backward_end(self, task) -> bool:
+        """True the first time a hook of backward `task` asks, False after: its end merges once."""
+
+    def _absorb_inboxes(self) -> None:
+        """Merge every inbox into its history and empty it: a backward has ended."""
+
+
+_Ref = Callable[[], "AmaxInboxes | None"]     # a weak reference to the receiver
+
+
+def deliver(receiver_ref: _Ref, key: str, amax: torch.Tensor) -> None:
     """An eager call's backward amax for history `key`, from the op's node, into the inbox by max."""
-    shell = shell_ref()
-    if shell is None or key not in shell._inboxes:
+    receiver = receiver_ref()
+    inbox = None if receiver is None else receiver._amax_inbox(key)
+    if inbox is None:
         return
-    inbox = shell._inboxes[key]
     inbox.copy_(torch.maximum(inbox, amax.detach().to(inbox.device)))
-    merge_when_backward_ends(shell_ref)
+    merge_when_backward_ends(receiver_ref)
 
 
-def merge_when_backward_ends(shell_ref, grad=None):
+def merge_when_backward_ends(receiver_ref: _Ref, grad: torch.Tensor | None = None) -> None:
     # Also a hook on each GEMM weight: a backward that computes its gradient went through its layer.
-    shell = shell_ref()
-    if shell is None:
-        return
-    task = _compat.backward_task_id()
-    if shell._merge_queued_for != task:      # once per backward
-        shell._merge_queued_for = task
-        _compat.queue_backward_callback(functools.partial(_merge_now, shell_ref))
+    receiver = receiver_ref()
+    if receiver is not None and receiver._claim_backward_end(_compat.backward_task_id()):
+        _compat.queue_backward_callback(functools.partial(_merge_now, receiver_ref))
 
 
-def _merge_now(shell_ref):
-    shell = shell_ref()
-    if shell is None:
-        return
-    shell._merge_queued_for = None
-    shell._workspaces = shell._merged(shell._workspaces)
+def _merge_now(receiver_ref: _Ref) -> None:
+    receiver = receiver_ref()
+    if receiver is not None:
+        receiver._absorb_inboxes()
 
 
 def remove_hooks(handles: list):

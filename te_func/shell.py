@@ -208,6 +208,21 @@ class Stateful(nn.Module):
         self._merge_queued_for = None       # the backward (graph task id) whose end merges the inboxes
         self._watch_weights(weakref.ref(self))
 
+    # --- what backward_state's hooks deliver to (its AmaxInboxes protocol) ---------------------
+
+    def _amax_inbox(self, key: str) -> torch.Tensor | None:
+        return self._inboxes.get(key)
+
+    def _claim_backward_end(self, task) -> bool:
+        if self._merge_queued_for == task:
+            return False
+        self._merge_queued_for = task
+        return True
+
+    def _absorb_inboxes(self) -> None:
+        self._merge_queued_for = None
+        self._workspaces = self._merged(self._workspaces)
+
     def _merge_pending(self):
         """Merge the inboxes into the workspaces (a collective under amax reduction)."""
         if self._compiled:
