@@ -15,8 +15,9 @@ Three layouts of the groups:
 Both operands are FP8 (E4M3 or E5M2, mixed: the tensor cores take either pair), read K-major,
 multiplied on the FP8 tensor cores with fp32 accumulation; the epilogue scales by
 scale_a[g] * scale_b[g], adds the bias and rounds once, as te_func.gemm's epilogue does. The sums
-run in another order than cuBLAS's, so the bits differ from a loop of `torch._scaled_mm` by
-fp32 rounding. Indices are int64 where they cross a group."""
+run in another order than cuBLAS's, so the bits differ from a loop of `torch._scaled_mm` by the
+rounding of the tensor cores' accumulation (a K tile's products are summed with less than fp32's
+precision, on these tensor cores as in cuBLAS). Indices are int64 where they cross a group."""
 from __future__ import annotations
 
 import os

@@ -899,10 +899,11 @@ def _absolute(t: torch.Tensor) -> torch.Tensor:
 @gpu
 @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)], ids=str)
 @pytest.mark.parametrize("layout", ["batched", "shared-weight", "offsets", "runs-along-k"])
-def test_grouped_gemm_kernel_matches_the_loop_to_fp32_rounding(device, kernels_on, dtypes, layout):
-    """The grouped FP8 GEMM's kernel against one GEMM a group (kernels off): the same fp32 products
-    summed in another order, within fp32 rounding of the result; odd sizes cover the tile edges,
-    an empty run and rows past the last run the offsets layout."""
+def test_grouped_gemm_kernel_matches_the_loop_to_the_tensor_cores_accumulation(device, kernels_on, dtypes, layout):
+    """The grouped FP8 GEMM's kernel against one GEMM a group (kernels off): the same products
+    summed in another order, within the FP8 tensor cores' accumulation error; odd sizes cover the
+    tile edges, an empty run and rows past the last run the offsets layout, runs that start and
+    end inside 16 columns the runs along K."""
     from te_func.gemm import _grouped_scaled_mm
     torch.manual_seed(0)
     g, m, n, k = 3, 72, 80, 96
