@@ -319,6 +319,12 @@ def _(t, op):
     return torch.empty_like(t)
 
 
+@refuse_unrecorded.register_vmap
+def _(info, in_dims, t, op):
+    # Under a vmap (an ensemble's tef.grad) AOT autograd traces it too: it refuses for the batch.
+    return refuse_unrecorded(t, op), in_dims[0]
+
+
 def _no_autocast(values):
     device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
     return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
