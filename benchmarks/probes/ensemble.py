@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     dys = torch.randn(n, t, w, device=device, dtype=dtype)
 
     members = [mlp(nn.Linear, w, device, dtype) for _ in range(n)]
-    params, buffers = torch.func.stack_module_state(members)
+    params, _ = torch.func.stack_module_state(members)
 
     def torch_loss(p, x, dy):
         return (torch.func.functional_call(members[0], p, (x,)) * dy).sum()
