@@ -96,17 +96,17 @@ def cast_fields(s: Scheme) -> tuple[str, ...]:
 
 
 def cast_layout(shape: tuple[int, int], s: Scheme) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Field -> (shape, dtype) of the cast of a weight of `shape` (out, in) by scheme `s`. Plain
-    tuples: a call checks a cached cast against it, and a torch.compile trace reads it per GEMM."""
+    """Field -> (shape, dtype) of the cast of a weight of `shape` (out, in) by scheme `s`, for the
+    fields `cast_fields` names. Plain tuples: a call checks a cached cast against it, and a
+    torch.compile trace reads it per GEMM."""
     out_f, in_f = shape
     layout = {"data": (s.data_shape((out_f, in_f)), s.dtype), "scale_inv": (s.scale_shape((out_f, in_f)),
                                                                             s.scale_dtype),
-              "data_t": (s.data_shape((in_f, out_f)), s.dtype)}
-    if not _shared_scale(s):
-        layout["scale_inv_t"] = (s.scale_shape((in_f, out_f)), s.scale_dtype)
-    if s.nvfp4:     # weights take no Hadamard transform: amax(w) = amax(w.T), one entry
-        layout["global_amax"] = ((), torch.float32)
-    return layout
+              "data_t": (s.data_shape((in_f, out_f)), s.dtype),
+              "scale_inv_t": (s.scale_shape((in_f, out_f)), s.scale_dtype),
+              # weights take no Hadamard transform: amax(w) = amax(w.T), one entry
+              "global_amax": ((), torch.float32)}
+    return {k: layout[k] for k in cast_fields(s)}
 
 
 def cast_entries(shape: tuple[int, int], s: Scheme) -> dict[str, Entry]:
