@@ -105,6 +105,7 @@ def init_workspaces(model: nn.Module, recipe: Recipe | None, *,
             m.entries_at(recipe, path, dropped)
         for kind in ("batch_amax", "cast"):
             m.keys_of_kind(recipe, path, kind)
+    _remember_names(model)
     ws[RECIPE_KEY] = fingerprint_entry(recipe, _device_of(model))
     ws = outside_inference_mode(ws)     # made in an evaluation block, used for training after it
     mark_static(ws.values())
@@ -333,9 +334,9 @@ def functional_call(model: nn.Module, params: dict[str, torch.Tensor] | tuple[di
 
 
 def call_watched(model: nn.Module, params, ws: dict, args=(), kwargs=None, *, recipe,
-                 is_first_microbatch: bool | None = None, amax_group=None, watch=None, own_params: bool = False):
-    """`functional_call`, with `watch` (tef.Stateful's) handed to every layer's frame; own_params:
-    `params` are the model's own named tensors (tef.Stateful's), whose names need no check."""
+                 is_first_microbatch: bool | None = None, amax_group=None, watch=None):
+    """`functional_call`, with `watch` (tef.Stateful's) handed to every layer's frame; params None:
+    the model runs with its own tensors (tef.Stateful's call), so nothing is swapped in."""
     # The module tree walked once a call: under torch.compile every walk is traced anew.
     layers = _te_modules(model)
     if recipe is not None and not layers:
@@ -345,7 +346,7 @@ def call_watched(model: nn.Module, params, ws: dict, args=(), kwargs=None, *, re
                                    f"directly (frozen(x)), or train the model it was frozen from")
         raise ValueError(f"tef.functional_call: the model ({type(model).__name__}) has no te_func layers, so "
                          f"recipe={type(recipe).__name__} would change nothing; convert it first: tef.convert(model)")
-    if not own_params:
+    if params is not None:
         _check_param_names(model, params)
     if isinstance(ws, dict) and not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
         ws = outside_inference_mode(ws)     # workspaces an inference_mode call returned
@@ -368,8 +369,12 @@ def call_watched(model: nn.Module, params, ws: dict, args=(), kwargs=None, *, re
     frame = Frame(recipe, ws, owners, first_microbatch(is_first_microbatch, "tef.functional_call"),
                   update_state=torch.is_grad_enabled(), batch_scales=any(s.batch_scales for s in scopes),
                   watch=watch, weight_cache=weight_cache)
-    with _model_lock(model), push(frame), distributed.gathered_params(model, params) as params:
-        out = torch.func.functional_call(model, params, args, kwargs or {})
+    if params is None:      # FSDP's own hooks gather a sharded model's weights here
+        with push(frame):
+            out = model(*args, **(kwargs or {}))
+    else:
+        with _model_lock(model), push(frame), distributed.gathered_params(model, params) as params:
+            out = torch.func.functional_call(model, params, args, kwargs or {})
     # Plain state: an entry made under autograd would carry the step's graph into the next step.
     new_ws = {k: v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v
               for k, v in {**ws, **frame.updates}.items()}
@@ -384,13 +389,11 @@ def _check_param_names(model: nn.Module, params) -> None:
     name no parameter or buffer of `model`: torch would run with the model's own tensor instead."""
     dicts = params if isinstance(params, (tuple, list)) else (params,)
     keys = [k for d in dicts if isinstance(d, dict) for k in d]
-    # The names walk costs ~0.1 ms a call on a 2-layer Llama: kept per model, walked again only
-    # when a key is not among them (a layer added since, or a misspelt key).
-    names = None if torch.compiler.is_compiling() else _names_seen.get(model)    # traced once: no cache
+    # The names walk costs ~0.1 ms a call on a 2-layer Llama, and a trace interprets it: kept on the
+    # model, walked again only when a key is not among them (a layer added since, or a misspelt key).
+    names = getattr(model, _NAMES, None)
     if names is None or any(k not in names for k in keys):
-        names = _tensor_names(model)
-        if not torch.compiler.is_compiling():
-            _names_seen[model] = names
+        names = _remember_names(model)
     unknown = [k for k in keys if k not in names]
     if unknown:
         near = difflib.get_close_matches(unknown[0], names, n=1)
@@ -400,12 +403,18 @@ def _check_param_names(model: nn.Module, params) -> None:
                                     f"list the names)", keys=unknown, nearest=near[0] if near else None)
 
 
-_names_seen: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+_NAMES = "_te_func_tensor_names"
 
 
-def _tensor_names(model: nn.Module) -> set[str]:
-    return {k for k, _ in (*model.named_parameters(remove_duplicate=False),
-                           *model.named_buffers(remove_duplicate=False))}
+def _remember_names(model: nn.Module) -> frozenset[str]:
+    """The names of `model`'s tensors, kept on it by an eager call (a trace only reads them: a
+    store would be a side effect, and the attribute appearing after a trace would fail its guards,
+    so init_workspaces keeps them before any trace)."""
+    names = frozenset(k for k, _ in (*model.named_parameters(remove_duplicate=False),
+                                    *model.named_buffers(remove_duplicate=False)))
+    if not torch.compiler.is_compiling():
+        model.__dict__[_NAMES] = names
+    return names
 
 
 def _refuse_second_differentiated_call(model, ws: dict, owners: dict, scopes: list, backward: list) -> None:

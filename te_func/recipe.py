@@ -75,7 +75,34 @@ def _remember_fingerprint(recipe) -> None:
     # torch.compile reads a constant's attribute but would not trace sha256.
     changed = [f"{k}={v!r}" for k, v in _changed_fields(recipe).items()]
     object.__setattr__(recipe, "_fingerprint", _digest(f"{type(recipe).__name__}({', '.join(changed)})"))
+    object.__setattr__(recipe, "_derived", {})
     _seen.setdefault(recipe._fingerprint, recipe)
+
+
+# key -> function of a recipe: what the floors above derive from every recipe (te_func.quant's
+# schemes and lowering, te_func.ops' GEMM configs), registered as they are imported.
+_DERIVATIONS: dict = {}
+
+
+def derivation(key, make) -> None:
+    """Register `make(recipe)` as what `derived(recipe, key)` returns."""
+    _DERIVATIONS[key] = make
+
+
+def derived(recipe, key):
+    """What the derivation `key` makes of `recipe`, made once per recipe: a recipe is frozen, and a
+    torch.compile trace then reads the value where it would interpret its making (hashing a recipe
+    alone traces its enums). The first eager call makes every derivation at once, so a trace finds
+    every key or none and an eager call after it adds none (a key added would fail its guards)."""
+    memo = getattr(recipe, "_derived", None)
+    if memo is not None and key in memo:
+        return memo[key]
+    if memo is None or torch.compiler.is_compiling():     # not a recipe; or a trace, which only reads
+        return _DERIVATIONS[key](recipe)
+    for k, make in list(_DERIVATIONS.items()):
+        if k not in memo:
+            memo[k] = make(recipe)
+    return memo[key]
 
 
 def fingerprint(recipe) -> int:

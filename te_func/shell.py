@@ -263,9 +263,8 @@ class Stateful(nn.Module):
     # --- the call -----------------------------------------------------------------------------
 
     def forward(self, *args, is_first_microbatch: bool | None = None, **kwargs):
-        params = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            first = next(iter(params.values()), None)
+            first = next(self.model.parameters(), None)
             if first is not None and first.is_inference():
                 raise TransformError("tef.Stateful: the model's parameters were made under torch.inference_mode() "
                                      "(inference tensors), which autograd cannot train: build the model outside "
@@ -296,9 +295,8 @@ class Stateful(nn.Module):
                 ws = {**ws, **{k: ws[k].detach().requires_grad_() for k in self._backward_keys}}
                 watch = self._watcher()
         run = call_watched if compiling else _call_saying_what_changed
-        out, new_ws = run(self.model, params, ws, args, kwargs, recipe=self.recipe,
-                          is_first_microbatch=is_first_microbatch, amax_group=self.amax_group, watch=watch,
-                          own_params=True)
+        out, new_ws = run(self.model, None, ws, args, kwargs, recipe=self.recipe,
+                          is_first_microbatch=is_first_microbatch, amax_group=self.amax_group, watch=watch)
         new_ws = {**new_ws, **{k: new_ws[k].detach() for k in self._backward_keys}}
         # dynamo cannot trace the inference_mode check: compiled calls skip it
         inference = not compiling and torch.is_inference_mode_enabled()

@@ -27,6 +27,7 @@ from ..gemm import gemm, weight_only_gemm
 from ..quant import (BatchAmax, DelayedState, Gemm, Quantized, Scheme, WeightCast, dequantize, quantize_scheme,
                      quantize_with_transpose)
 from ..quant import scheme_for
+from ..recipe import derivation, derived
 
 __all__ = ["GemmConfig", "GemmSlot", "GradCasts", "forward_gemm", "backward_gemm", "backward_gemms", "quantize_grad",
            "backward_amax"]
@@ -56,6 +57,10 @@ class GemmConfig:
     @classmethod
     def of(cls, recipe, save_input: bool, weight_only: bool = False) -> GemmConfig:
         """The config `recipe` gives one GEMM (MMParams.use_split_accumulator -> fast_accum)."""
+        return derived(recipe, ("gemm config", save_input, weight_only))
+
+    @classmethod
+    def _make(cls, recipe, save_input: bool, weight_only: bool) -> GemmConfig:
         def fast(gemm: str, default: bool) -> bool:
             mm = getattr(recipe, f"fp8_gemm_{gemm}", None)
             return default if mm is None else not mm.use_split_accumulator
@@ -63,6 +68,12 @@ class GemmConfig:
         return cls(scheme_for(recipe, "input"), scheme_for(recipe, "weight"), scheme_for(recipe, "grad"),
                    save_input=save_input, fast_accum=(fast("fprop", fprop), fast("dgrad", dgrad), fast("wgrad", wgrad)),
                    backward_override=recipe.backward_override, weight_only=weight_only)
+
+
+# The GEMM configs a recipe gives: trained with and without the weight gradient, and frozen.
+for _save, _weight_only in ((True, False), (False, False), (False, True)):
+    derivation(("gemm config", _save, _weight_only),
+               lambda recipe, s=_save, w=_weight_only: GemmConfig._make(recipe, s, w))
 
 
 def forward_gemm(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None, cfg: GemmConfig,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import MissingEntryError
-from ..recipe import DelayedScaling
+from ..recipe import DelayedScaling, derivation, derived
 from .delayed import delayed_update, init_delayed_state
 from .nvfp4 import init_rng_state, rng_seed
 from .scheme import scheme_for
@@ -27,8 +27,8 @@ __all__ = ["Lowering", "Stateless", "Delayed", "lower"]
 def lower(recipe) -> Lowering:
     """The Lowering of `recipe` (None: high precision)."""
     if recipe is None:
-        return Lowering(None)
-    return Delayed(recipe) if isinstance(recipe, DelayedScaling) else Stateless(recipe)
+        return _HIGH_PRECISION
+    return derived(recipe, "lowering")
 
 
 class Lowering:
@@ -90,6 +90,9 @@ class Lowering:
         def detached(state):
             return None if state is None else type(state)(*(None if t is None else t.detach() for t in state))
         return gw._replace(**{role: detached(getattr(gw, role)) for role in ROLES_OF_GEMM})
+
+
+_HIGH_PRECISION = Lowering(None)
 
 
 class _Quantized(Lowering):
@@ -205,3 +208,6 @@ class Delayed(_Quantized):
         if not starts_step:
             return gw
         return gw._replace(**{role: delayed_update(getattr(gw, role), self.recipe, role) for role in ROLES_OF_GEMM})
+
+
+derivation("lowering", lambda recipe: Delayed(recipe) if isinstance(recipe, DelayedScaling) else Stateless(recipe))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..recipe import (ROLES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+from ..recipe import (ROLES, derivation, derived, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                       MXFP8BlockScaling, NVFP4BlockScaling)
 from .._compat import ensure_view_dtype_batching
 
@@ -59,25 +59,14 @@ class Scheme:
         return (-(-rows // self.block[0]), -(-cols // self.block[1]))
 
 
-# Made once per (recipe, role): recipes are frozen and hashable, and a trace under torch.compile
-# then reads a Scheme where it would interpret its construction at every GEMM.
-_SCHEMES: dict = {}
-
-
 def scheme_for(recipe, role: str) -> Scheme:
     """The Scheme `recipe` uses for tensors of `role` ("input", "weight" or "grad")."""
-    try:
-        scheme = _SCHEMES.get((recipe, role))
-    except TypeError:       # unhashable: not a recipe, which _make_scheme says
-        return _make_scheme(recipe, role)
-    if scheme is None:
-        scheme = _SCHEMES[(recipe, role)] = _make_scheme(recipe, role)
-    return scheme
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return derived(recipe, role)
 
 
 def _make_scheme(recipe, role: str) -> Scheme:
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if isinstance(recipe, NVFP4BlockScaling):
         # TE's derived QParams: 16x16 weight blocks, the Hadamard transform of inputs' and gradients'
         # columnwise copies, stochastic rounding of gradients (each unless its `disable_*`).
@@ -102,6 +91,10 @@ def _make_scheme(recipe, role: str) -> Scheme:
         return _scheme(dtype, fp8_max, block, "current", qp.amax_epsilon, qp.power_2_scale)
     raise TypeError(f"not a te_func recipe: {recipe!r} (use te_func.recipe.DelayedScaling, "
                     f"Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling or NVFP4BlockScaling, or None)")
+
+
+for _role in ROLES:
+    derivation(_role, lambda recipe, role=_role: _make_scheme(recipe, role))
 
 
 def _scheme(dtype, fp8_max, block, rule, amax_epsilon=0.0, power_2_scale=False, margin=0, hadamard=False,
