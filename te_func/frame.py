@@ -100,11 +100,7 @@ def init_workspaces(model: nn.Module, recipe: Recipe | None, *,
         # FSDP-sharded weights are cast whole, as one process casts them (collective: every rank calls this).
         weights = distributed.cast_sources(path, m, units) if weight_cache else None
         ws.update({_prefix(path) + k: v for k, v in m.init_workspace(recipe, weights, path, weight_cache).items()})
-        # What each call validates these workspaces against, made now: a torch.compile trace then reads it.
-        for dropped in ((True, not weight_cache), (False, False)):
-            m.entries_at(recipe, path, dropped)
-        for kind in ("batch_amax", "cast"):
-            m.keys_of_kind(recipe, path, kind)
+        m.view(recipe, path)    # what each call validates these against, made now: a trace then reads it
     _remember_names(model)
     ws[RECIPE_KEY] = fingerprint_entry(recipe, _device_of(model))
     ws = outside_inference_mode(ws)     # made in an evaluation block, used for training after it
@@ -218,19 +214,19 @@ def _entry_problems(layers: list, ws, recipe, owners: dict, dropped: set):
     and `dropped` (the kinds `ws` holds none of)."""
     expected = {RECIPE_KEY}
     # Batch-scope entries come all or none; so do weight casts (none: weight_cache=False).
+    views = [m.view(recipe, path) for path, m in layers]
     for kind in ("batch_amax", "cast"):
-        keys = [k for path, m in layers for k in m.keys_of_kind(recipe, path, kind)]
+        keys = [k for v in views for k in v.kinds[kind]]
         if keys and not any(k in ws for k in keys):
             dropped.add(kind)
     if "cast" in dropped and any(is_cast_key(k) for k in ws):    # casts, of another model's layers
         dropped.remove("cast")
     without = ("batch_amax" in dropped, "cast" in dropped)
-    for path, m in layers:
+    for (path, m), view in zip(layers, views):
         # What a call's backward reads as the call was given it: grad histories, random streams.
-        entries = m.entries_at(recipe, path, without)
+        entries = view.at[without]
         owners[id(m)] = (path, entries.names, entries.reads)
-        # A model on "meta" (a vmapped ensemble's base) says nothing about devices.
-        device = next((p.device for p in m.parameters() if p.device.type != "meta"), None)
+        device = _layer_device(m)
         for entry, e in entries.keyed:
             expected.add(entry)
             t = ws.get(entry)
@@ -257,6 +253,15 @@ def _entry_problems(layers: list, ws, recipe, owners: dict, dropped: set):
     if extra:
         yield UnknownEntryError(f"workspace entries {extra[:5]} belong to no te_func layer of this model: these "
                                 f"workspaces were made for another model", entries=extra)
+
+
+def _layer_device(m: nn.Module) -> torch.device | None:
+    """The device of a layer's parameters; None on "meta" (a vmapped ensemble's base says nothing
+    about devices). Its own first: a trace interprets every walk of parameters() anew."""
+    for p in m._parameters.values():
+        if p is not None and p.device.type != "meta":
+            return p.device
+    return next((p.device for p in m.parameters() if p.device.type != "meta"), None)
 
 
 def _shape_hint(got: tuple, e) -> str:

@@ -9,7 +9,7 @@ from torch import nn
 from ..quant import Entry, Gemm, lower
 from . import context
 
-__all__ = ["TEModule", "LayerEntries"]
+__all__ = ["TEModule", "LayerEntries", "LayerView"]
 
 
 class LayerEntries(NamedTuple):
@@ -17,6 +17,18 @@ class LayerEntries(NamedTuple):
     names: tuple[str, ...]                  # op-local entry names
     reads: tuple[str, ...]                  # those a call's backward reads (grad histories, random streams)
     keyed: tuple[tuple[str, Entry], ...]    # (full key, Entry) of each
+
+
+class LayerView(NamedTuple):
+    """One layer's entries as a call validates them (TEModule.view)."""
+    kinds: dict[str, tuple[str, ...]]       # "batch_amax" / "cast" -> the full keys of that kind
+    at: dict[tuple[bool, bool], LayerEntries]   # (batch amaxes dropped, casts dropped) -> its entries
+
+
+def _key_of(recipe):
+    # A recipe in a cache key by its fingerprint (one attribute), not its hash: hashing a recipe
+    # traces the __hash__ of its enums.
+    return None if recipe is None else (type(recipe), getattr(recipe, "_fingerprint", recipe))
 
 
 class TEModule(nn.Module):
@@ -40,31 +52,37 @@ class TEModule(nn.Module):
         """Entry name -> Entry (shape, dtype, updated in backward) of every entry this layer needs.
         Shared and cached: a caller copies it before changing it."""
         gemms, shapes = self._layout()
-        return self._cached(("workspace", recipe, gemms, shapes), lambda: {
+        return self._cached(("workspace", _key_of(recipe), gemms, shapes), lambda: {
             k: e for g, shape in zip(gemms, shapes) for k, e in lower(recipe).entries(g, shape).items()})
 
     def batch_scope_spec(self, recipe) -> dict[str, Entry]:
         """The entries a call in batch scope adds (te_func.quant.workspace's batch amaxes); cached too."""
         gemms = self.gemms()
-        return self._cached(("batch", recipe, gemms), lambda: {
+        return self._cached(("batch", _key_of(recipe), gemms), lambda: {
             k: e for g in gemms for k, e in lower(recipe).batch_entries(g).items()})
 
-    def entries_at(self, recipe, path: str, dropped: tuple[bool, bool]) -> LayerEntries:
-        """What a call's validation walks for this layer at `path`: its entries, batch scope's included,
-        without batch amaxes / weight casts where `dropped` says so. Cached."""
-        def make():
-            spec = {**self.workspace_spec(recipe), **self.batch_scope_spec(recipe)}
-            spec = {k: e for k, e in spec.items()
-                    if not (dropped[0] and e.kind == "batch_amax" or dropped[1] and e.kind == "cast")}
-            prefix = f"{path}." if path else ""
-            return LayerEntries(tuple(spec), tuple(k for k, e in spec.items() if e.backward or e.stream),
-                                tuple((prefix + k, e) for k, e in spec.items()))
-        return self._cached(("at", recipe, *self._layout(), path, dropped), make)
+    def view(self, recipe, path: str) -> LayerView:
+        """What a call's validation walks for this layer at `path` (batch scope's entries included),
+        made once per recipe, layout and path: a call computes one layout, not one per question."""
+        return self._cached(("view", _key_of(recipe), *self._layout(), path), lambda: self._make_view(recipe, path))
 
-    def keys_of_kind(self, recipe, path: str, kind: str) -> tuple[str, ...]:
-        """The full keys of this layer's entries (batch scope's included) of `kind`. Cached."""
-        return self._cached(("kind", recipe, *self._layout(), path, kind), lambda: tuple(
-            k for k, e in self.entries_at(recipe, path, (False, False)).keyed if e.kind == kind))
+    def _make_view(self, recipe, path: str) -> LayerView:
+        spec = {**self.workspace_spec(recipe), **self.batch_scope_spec(recipe)}
+        prefix = f"{path}." if path else ""
+
+        def at(dropped):
+            kept = {k: e for k, e in spec.items()
+                    if not (dropped[0] and e.kind == "batch_amax" or dropped[1] and e.kind == "cast")}
+            return LayerEntries(tuple(kept), tuple(k for k, e in kept.items() if e.backward or e.stream),
+                                tuple((prefix + k, e) for k, e in kept.items()))
+        return LayerView({kind: tuple(prefix + k for k, e in spec.items() if e.kind == kind)
+                          for kind in ("batch_amax", "cast")},
+                         {dropped: at(dropped) for dropped in ((False, False), (False, True), (True, False),
+                                                               (True, True))})
+
+    def entries_at(self, recipe, path: str, dropped: tuple[bool, bool]) -> LayerEntries:
+        """This layer's entries at `path`, without batch amaxes / weight casts where `dropped` says so."""
+        return self.view(recipe, path).at[dropped]
 
     def _layout(self) -> tuple[tuple[Gemm, ...], tuple[tuple[int, ...], ...]]:
         # What a layer's entries follow from besides the recipe: its GEMMs and their weights' shapes.
