@@ -14,7 +14,8 @@ One Function class, called by name: torch.func takes a Function only in the setu
 `torch.compile(torch.func.grad(f))` would differentiate an inlined Function's forward (torch
 2.13) unless it is called through `allow_in_graph`; and the names travel as one static string
 (a tuple would be a pytree of many leaves to the generated vmap rule, whose forward-mode path
-then pairs the inputs' batch dims with one tangent per argument: jacfwd(jacfwd) broke)."""
+then pairs the inputs' batch dims with one tangent per argument: jacfwd(jacfwd) broke). Inputs
+given as None are named in it and not passed (`call`)."""
 from __future__ import annotations
 
 import contextlib
@@ -50,10 +51,10 @@ class _Boundary(torch.autograd.Function):
 
     @staticmethod
     def forward(op, joined, *values):
-        names = joined.split(" ")
+        names, absent = _split_names(joined)
         # The op's math is exact by design: torch.autocast must not round it to bf16 behind its back.
         with _no_autocast(values):
-            out = op.forward(dict(zip(names, values)))
+            out = op.forward({**dict(zip(names, values)), **dict.fromkeys(absent)})
         _mode.nodes = []        # this call's nodes, one per transform level, set up next (`_mark_outer`)
         # Plain loops, not set algebra on dict views: torch 2.11's dynamo cannot trace the latter.
         names_out = op.outputs      # a property built on each read: read once
@@ -69,7 +70,7 @@ class _Boundary(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         op, joined, *values = inputs
-        names = tuple(joined.split(" "))
+        names, ctx.absent = _split_names(joined)
         outputs = dict(zip(op.outputs, output))
         # Carried state stays "differentiable" to keep this node as its grad_fn (on_backward).
         keep = set(op.differentiable) | set(op.carried)
@@ -109,7 +110,8 @@ class _Boundary(torch.autograd.Function):
     def backward(ctx, *grads):
         op = ctx.op
         saved = {**ctx.sizes, **dict(zip(ctx.saved_names, ctx.saved_tensors))}
-        need = dict(zip(ctx.names, ctx.needs_input_grad[2:]))
+        # The inputs given as None were not passed: no gradient is wanted of them.
+        need = {**dict.fromkeys(ctx.absent, False), **dict(zip(ctx.names, ctx.needs_input_grad[2:]))}
         out_grads = {k: g for k, g in zip(op.outputs, grads) if k in op.differentiable}
         first = op.differentiable[0]
         if out_grads[first] is None:
@@ -279,7 +281,7 @@ def _record_carried(ctx, input_grads: dict, need: dict) -> dict:
     tef.functional_call), its new value is merged, by max, into the output the call returned as
     that state (so into the new workspaces). A compiled backward cannot write there: it refuses,
     from inside its graph, if it runs (AOT autograd traces backwards that never run)."""
-    lost = [(k, out) for k, out in ctx.carried_out.items() if not need[k] and input_grads.get(k) is not None]
+    lost = [(k, out) for k, out in ctx.carried_out.items() if not need.get(k) and input_grads.get(k) is not None]
     if not lost:
         return input_grads
     if torch.compiler.is_compiling():
@@ -339,7 +341,17 @@ def call(op, **tensors) -> dict:
     """Run `op` on `tensors` (name -> tensor or None); returns its outputs by name."""
     if _compat.forward_over_forward():
         return _composite(op, tensors)
-    return dict(zip(op.outputs, _apply(op, " ".join(tensors), *tensors.values())))
+    # The None ones travel by name alone: every value passed is wrapped and unwrapped by each
+    # torch.func level (a pytree pass each), and a trace interprets those passes.
+    given = {k: v for k, v in tensors.items() if v is not None}
+    joined = " ".join(given) + "|" + " ".join(k for k, v in tensors.items() if v is None)
+    return dict(zip(op.outputs, _apply(op, joined, *given.values())))
+
+
+def _split_names(joined: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    # `call`'s "given names|names given as None", each space-separated.
+    given, _, absent = joined.partition("|")
+    return tuple(given.split(" ")) if given else (), tuple(absent.split(" ")) if absent else ()
 
 
 def _composite(op, tensors: dict) -> dict:
