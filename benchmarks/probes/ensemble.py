@@ -57,6 +57,7 @@ def main(argv=None) -> None:
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (any device)")
+    ap.add_argument("--profile", action="store_true", help="then the kernels of 3 te_func current steps")
     args = ap.parse_args(argv)
     if args.quick:
         args.members, args.tokens, args.width = 3, 32, 64
@@ -93,6 +94,28 @@ def main(argv=None) -> None:
             print(f"| te_func {name} | {ms:.3f} | {base / ms:.2f} |", flush=True)
         except Exception as err:      # noqa: BLE001 (a probe: say why)
             print(f"| te_func {name} | {type(err).__name__}: {str(err)[:100]} | |", flush=True)
+            continue
+        if name == "current":
+            # tef.stack_module_state's parameters require grad (as torch's): te_func then keeps each
+            # op's linearization, which a derivative of the backward taken outside would need.
+            plain = {k: v.detach() for k, v in te_params.items()}
+            ms = time_ms(lambda te_step=te_step, plain=plain, ws=ws: te_step(plain, ws, xs, dys), device)
+            print(f"| te_func {name}, parameters detached | {ms:.3f} | {base / ms:.2f} |", flush=True)
+        if args.profile and name == "current":
+            profile(lambda te_step=te_step, te_params=te_params, ws=ws: te_step(te_params, ws, xs, dys), device)
+
+
+def profile(step, device) -> None:
+    """The kernels of 3 steps by their total device time (ms, calls)."""
+    from torch.profiler import ProfilerActivity
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=70), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,12 @@
 `_grouped_mm` on the same shape: ms and TFLOP/s (CUDA events via triton's do_bench), printed as a
 table, so that the autotuned candidates can be chosen from figures.
 
-    python3 benchmarks/probes/grouped_configs.py [8|128] [--quick]
+    python3 benchmarks/probes/grouped_configs.py [8|128] [--quick] [--fast-backward]
 
 Rows: the forward GEMM (runs of rows by device offsets, b (G, N, K)) with fast accumulation, the
 input-gradient GEMM (the same layout, split accumulation, as TE's dgrad) and the weight-gradient
-GEMM (runs along K, split accumulation), for gate_up and down.
+GEMM (runs along K, split accumulation), for gate_up and down. --fast-backward: the two backward
+GEMMs with fast accumulation instead (what split accumulation costs; TE splits them by default).
 """
 import argparse
 import sys
@@ -31,10 +32,11 @@ CANDIDATES = [(m, n, k, w, s, gm) for (m, n, k, w, s) in (
 
 
 def offsets(g: int, rows: int, dev) -> torch.Tensor:
-    # A fixed uneven routing: counts drawn once, summing to rows.
+    # A fixed uneven routing: counts drawn once, summing to rows; multiples of 16, which torch's
+    # bf16 grouped GEMM needs along K (the FP8 kernels take any).
     gen = torch.Generator().manual_seed(0)
     w = torch.rand(g, generator=gen) + 0.5
-    counts = (w / w.sum() * rows).floor().long()
+    counts = (w / w.sum() * rows / 16).floor().long() * 16
     counts[-1] += rows - counts.sum()
     return counts.cumsum(0).to(torch.int32).to(dev)
 
@@ -51,8 +53,8 @@ def time_config(kernel, grid_of, args, meta, cfg):
         return f"{type(e).__name__}"
 
 
-def offsets_rows(g, t, k, n, fast, dev, quick):
-    a = torch.randn(t, k, device=dev).to(E4M3 if fast else E5M2)
+def offsets_rows(g, t, k, n, fast, dev, quick, e5m2=False):
+    a = torch.randn(t, k, device=dev).to(E5M2 if e5m2 else E4M3)
     b = torch.randn(g, n, k, device=dev).to(E4M3)
     sa, sb = torch.rand(g, device=dev) + 0.5, torch.rand(g, device=dev) + 0.5
     offs = offsets(g, t, dev)
@@ -69,14 +71,14 @@ def offsets_rows(g, t, k, n, fast, dev, quick):
                                                                                         else CANDIDATES)}
 
 
-def k_runs_rows(g, t, m, n, dev, quick):
+def k_runs_rows(g, t, m, n, dev, quick, fast=False):
     a = torch.randn(m, t, device=dev).to(E5M2)      # dY.T: the gradient, E5M2 under HYBRID
     b = torch.randn(n, t, device=dev).to(E4M3)      # X.T
     sa, sb = torch.rand(g, device=dev) + 0.5, torch.rand(g, device=dev) + 0.5
     offs = offsets(g, t, dev)
     out = torch.empty(g, m, n, device=dev, dtype=torch.bfloat16)
     args = (a, b, sa, sb, offs, out, m, n, t, g, a.stride(0), b.stride(0), 1, 1)
-    meta = dict(FAST_ACCUM=False)
+    meta = dict(FAST_ACCUM=fast)
 
     def grid_of(bm, bn):
         return (triton.cdiv(m, bm) * triton.cdiv(n, bn), g)
@@ -106,7 +108,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("experts", type=int, nargs="?", default=8, choices=sorted(LAYERS))
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--fast-backward", action="store_true")
     args = p.parse_args(argv)
+    acc = "fast" if args.fast_backward else "split"
     dev = torch.device("cuda")
     g, hidden, inter, top_k = LAYERS[args.experts]
     t = TOKENS * top_k
@@ -115,10 +119,10 @@ def main(argv=None):
     for name, k, n in (("gate_up", hidden, 2 * inter), ("down", inter, hidden)):
         flops = 2 * t * k * n
         report(f"{name} forward (offsets, fast accumulation)", flops, *offsets_rows(g, t, k, n, True, dev, args.quick))
-        report(f"{name} input gradient (offsets, split accumulation, E5M2 x E4M3)", flops,
-               *offsets_rows(g, t, n, k, False, dev, args.quick))
-        report(f"{name} weight gradient (runs along K, split accumulation)", flops,
-               *k_runs_rows(g, t, n, k, dev, args.quick))
+        report(f"{name} input gradient (offsets, {acc} accumulation, E5M2 x E4M3)", flops,
+               *offsets_rows(g, t, n, k, args.fast_backward, dev, args.quick, e5m2=True))
+        report(f"{name} weight gradient (runs along K, {acc} accumulation)", flops,
+               *k_runs_rows(g, t, n, k, dev, args.quick, args.fast_backward))
 
 
 if __name__ == "__main__":
