@@ -185,8 +185,8 @@ def _run_one_by_one(variants, selected, args, device, inputs):
             print(f"[time] {w.name:32s} {v:20s} first {rec.get('first_call_s')} s, "
                   f"{rec.get('median_ms', rec.get('status'))} ms, {rec.get('peak_gib')} GiB", flush=True)
             del step
-            gc.collect()
-            if device.type == "cuda":
+            if device.type == "cuda":     # the next variant's peak memory starts from what this one left
+                gc.collect()
                 torch.cuda.empty_cache()
     return results
 
