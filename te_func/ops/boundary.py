@@ -14,8 +14,8 @@ One Function class, called by name: torch.func takes a Function only in the setu
 `torch.compile(torch.func.grad(f))` would differentiate an inlined Function's forward (torch
 2.13) unless it is called through `allow_in_graph`; and the names travel as one static string
 (a tuple would be a pytree of many leaves to the generated vmap rule, whose forward-mode path
-then pairs the inputs' batch dims with one tangent per argument: jacfwd(jacfwd) broke). Inputs
-given as None are named in it and not passed (`call`)."""
+then pairs the inputs' batch dims with one tangent per argument: jacfwd(jacfwd) broke). Under a
+torch.func transform, inputs given as None are named in it and not passed (`call`)."""
 from __future__ import annotations
 
 import contextlib
@@ -341,8 +341,10 @@ def call(op, **tensors) -> dict:
     """Run `op` on `tensors` (name -> tensor or None); returns its outputs by name."""
     if _compat.forward_over_forward():
         return _composite(op, tensors)
-    # The None ones travel by name alone: every value passed is wrapped and unwrapped by each
-    # torch.func level (a pytree pass each), and a trace interprets those passes.
+    if torch.compiler.is_compiling() or _compat.current_level() is None:
+        return dict(zip(op.outputs, _apply(op, " ".join(tensors) + "|", *tensors.values())))
+    # Under a torch.func transform the None ones travel by name alone: every value passed is
+    # wrapped and unwrapped by each level (a pytree pass each).
     given = {k: v for k, v in tensors.items() if v is not None}
     joined = " ".join(given) + "|" + " ".join(k for k, v in tensors.items() if v is None)
     return dict(zip(op.outputs, _apply(op, joined, *given.values())))

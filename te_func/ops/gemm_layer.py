@@ -160,23 +160,9 @@ class GemmSlot:
     gemm: Gemm
 
     def __post_init__(self):
-        # Every tensor name of the slot carries this prefix, and its name lists follow from the config:
-        # formed once, not at each of ~75 names a call (a trace interprets each). Not fields:
-        # torch.compile rebuilds a constant GemmSlot from its fields alone, and this runs again.
-        p = self.gemm.slot
-        full = lambda *names: tuple(p + k for k in names)      # noqa: E731
-        w = {None: ("w_t", "w_t_scale_inv", "w_amax"), "dequantized": ("w", "w_scale_inv", "w_amax"),
-             "high_precision": ()}[self.cfg.backward_override]
-        # The weight as the input-gradient GEMM reads it (backward_override: the forward cast, or it).
-        saved = full(*w, "x_saved", "x_saved_scale_inv", "x_saved_amax", "g_record", "g_scale", "g_rng")
-        for name, value in (
-                ("_prefix", p),
-                ("_outputs", full("new_x_record", "new_g_record", "x_saved", "x_saved_scale_inv", "x_saved_amax")),
-                ("_carried", {p + "new_g_record": p + "g_sink"}),
-                ("_saved", saved + ((self.gemm.weight,) if self.cfg.backward_override == "high_precision" else ())),
-                ("_input_names", full("w", "w_scale_inv", "w_t", "w_t_scale_inv", "w_amax", "x_record", "x_scale",
-                                      "g_sink", "g_record", "g_scale", "g_rng"))):
-            object.__setattr__(self, name, value)
+        # Every tensor name of the slot carries this prefix: formed once, not at each of ~75 names a
+        # call. Not a field: torch.compile rebuilds a constant GemmSlot from its fields alone.
+        object.__setattr__(self, "_prefix", self.gemm.slot)
 
     @property
     def weight(self) -> str:
@@ -194,15 +180,21 @@ class GemmSlot:
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return self._outputs            # type: ignore[attr-defined]  # set in __post_init__
+        return tuple(map(self._n, ("new_x_record", "new_g_record", "x_saved", "x_saved_scale_inv",
+                                   "x_saved_amax")))
 
     @property
     def carried(self) -> dict[str, str]:
-        return self._carried            # type: ignore[attr-defined]  # set in __post_init__
+        return {self._n("new_g_record"): self._n("g_sink")}
 
     @property
     def saved(self) -> tuple[str, ...]:
-        return self._saved              # type: ignore[attr-defined]  # set in __post_init__
+        # The weight as the input-gradient GEMM reads it (backward_override: the forward cast, or it).
+        w = {None: ("w_t", "w_t_scale_inv", "w_amax"), "dequantized": ("w", "w_scale_inv", "w_amax"),
+             "high_precision": ()}[self.cfg.backward_override]
+        own = tuple(map(self._n, (*w, "x_saved", "x_saved_scale_inv", "x_saved_amax", "g_record", "g_scale",
+                                  "g_rng")))
+        return own + ((self.weight,) if self.cfg.backward_override == "high_precision" else ())
 
     def inputs(self, cast: WeightCast, x_state: DelayedState | BatchAmax | None,
                g_state: DelayedState | BatchAmax | None, g_sink: torch.Tensor | None,
@@ -210,10 +202,12 @@ class GemmSlot:
         """This slot's input tensors by name, from the GEMM's weight cast and states for this call."""
         record = lambda st: None if st is None else st.record                       # noqa: E731
         scale = lambda st: None if st is None else st.scale                          # noqa: E731
-        return dict(zip(self._input_names, (   # type: ignore[attr-defined]  # set in __post_init__
-            cast.rowwise.data, cast.rowwise.scale_inv, cast.columnwise.data, cast.columnwise.scale_inv,
-            cast.rowwise.global_amax, record(x_state), scale(x_state), g_sink, record(g_state), scale(g_state),
-            g_rng)))
+        return {self._n(k): v for k, v in (
+            ("w", cast.rowwise.data), ("w_scale_inv", cast.rowwise.scale_inv),
+            ("w_t", cast.columnwise.data), ("w_t_scale_inv", cast.columnwise.scale_inv),
+            ("w_amax", cast.rowwise.global_amax),
+            ("x_record", record(x_state)), ("x_scale", scale(x_state)),
+            ("g_sink", g_sink), ("g_record", record(g_state)), ("g_scale", scale(g_state)), ("g_rng", g_rng))}
 
     def forward_inputs(self, w: Quantized, x_scale: torch.Tensor | None,
                        x_scale_inv: torch.Tensor | None = None) -> dict:
