@@ -57,6 +57,8 @@ class GemmConfig:
     @classmethod
     def of(cls, recipe, save_input: bool, weight_only: bool = False) -> GemmConfig:
         """The config `recipe` gives one GEMM (MMParams.use_split_accumulator -> fast_accum)."""
+        if save_input and weight_only:      # no such derivation: the config itself says why
+            return cls._make(recipe, save_input, weight_only)
         return derived(recipe, ("gemm config", save_input, weight_only))
 
     @classmethod
