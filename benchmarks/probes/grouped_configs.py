@@ -1,6 +1,6 @@
-"""Each tile config of the grouped FP8 kernels at a MoE layer's GEMM shapes, against torch bf16
-`_grouped_mm` on the same shape: ms and TFLOP/s (CUDA events via triton's do_bench), printed as a
-table, so that the autotuned candidates can be chosen from figures.
+"""The grouped FP8 kernels' autotune candidates, and a few tiles beside them, one by one at a MoE
+layer's GEMM shapes, against torch bf16 `_grouped_mm` on the same shape: ms and TFLOP/s (CUDA
+events via triton's do_bench), printed as a table, so that the candidates can be chosen from figures.
 
     python3 benchmarks/probes/grouped_configs.py [8|128] [--quick] [--fast-backward]
 
@@ -24,11 +24,18 @@ from te_func.kernels import grouped_gemm as gg  # noqa: E402
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 LAYERS = {8: (8, 4096, 14336, 2), 128: (128, 2048, 768, 8)}     # experts, hidden, intermediate, top-k
 TOKENS = 16384
-CANDIDATES = [(m, n, k, w, s, gm) for (m, n, k, w, s) in (
-    (128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
-    (128, 128, 64, 4, 4), (64, 128, 128, 4, 4), (64, 256, 128, 4, 3), (128, 256, 64, 8, 4),
-    (128, 128, 128, 4, 3), (128, 256, 128, 8, 4), (256, 128, 64, 8, 4), (128, 128, 256, 8, 2))
-    for gm in (8,)]
+
+
+def _tile(c) -> tuple:
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a triton.Config
+    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages
+
+
+AUTOTUNED = [_tile(c) for c in gg._configs()]      # the kernels' own candidates
+# Tiles the autotuner does not try, measured beside its own.
+EXTRA = [(128, 256, 64, 8, 4), (128, 128, 128, 4, 3), (128, 256, 128, 8, 4), (256, 128, 64, 8, 4),
+         (128, 128, 256, 8, 2)]
+CANDIDATES = AUTOTUNED + [t for t in EXTRA if t not in AUTOTUNED]
 
 
 def offsets(g: int, rows: int, dev) -> torch.Tensor:
@@ -42,10 +49,10 @@ def offsets(g: int, rows: int, dev) -> torch.Tensor:
 
 
 def time_config(kernel, grid_of, args, meta, cfg):
-    m, n, k, w, s, gm = cfg
+    m, n, k, w, s = cfg
     try:
         fn = kernel.fn
-        run = lambda: fn[grid_of(m, n)](*args, **meta, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=gm,  # noqa: E731
+        run = lambda: fn[grid_of(m, n)](*args, **meta, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k,  # noqa: E731
                                         num_warps=w, num_stages=s)
         run()
         return do_bench(run, warmup=10, rep=40)
@@ -91,17 +98,17 @@ def k_runs_rows(g, t, m, n, dev, quick, fast=False):
 
 def report(name, flops, bf16, times):
     print(f"\n{name}: bf16 _grouped_mm {bf16:.3f} ms ({flops / bf16 / 1e9:.0f} TFLOP/s)")
-    print("| BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M | ms | TFLOP/s | x bf16 |")
+    print("| BLOCK_M, BLOCK_N, BLOCK_K, warps, stages (* autotuned) | ms | TFLOP/s | x bf16 |")
     print("|---|---|---|---|")
-    ok = {c: t for c, t in times.items() if isinstance(t, float)}
     for c, t in times.items():
-        if isinstance(t, float):
-            print(f"| {c} | {t:.3f} | {flops / t / 1e9:.0f} | {bf16 / t:.2f} |")
-        else:
-            print(f"| {c} | {t} | | |")
-    if ok:
-        best = min(ok, key=ok.get)
-        print(f"best {best}: {ok[best]:.3f} ms, {bf16 / ok[best]:.2f}x bf16", flush=True)
+        mark = " *" if c in AUTOTUNED else ""
+        print(f"| {c}{mark} | {t:.3f} | {flops / t / 1e9:.0f} | {bf16 / t:.2f} |" if isinstance(t, float)
+              else f"| {c}{mark} | {t} | | |")
+    ok = {c: t for c, t in times.items() if isinstance(t, float)}
+    for label, pool in (("best", ok), ("best autotuned", {c: t for c, t in ok.items() if c in AUTOTUNED})):
+        if pool:
+            best = min(pool, key=pool.get)
+            print(f"{label} {best}: {pool[best]:.3f} ms, {bf16 / pool[best]:.2f}x bf16", flush=True)
 
 
 def main(argv=None):

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..quant import Entry, Gemm, lower
+from ..recipe import RECIPES, fingerprint
 from . import context
 
 __all__ = ["TEModule", "LayerEntries", "LayerView"]
@@ -26,9 +27,9 @@ class LayerView(NamedTuple):
 
 
 def _key_of(recipe):
-    # A recipe in a cache key by its fingerprint (one attribute), not its hash: hashing a recipe
-    # traces the __hash__ of its enums.
-    return None if recipe is None else (type(recipe), getattr(recipe, "_fingerprint", recipe))
+    # A recipe in a cache key by its fingerprint (one attribute read), not its hash: hashing a recipe
+    # traces the __hash__ of its enums. Anything else as itself (`lower` says what is wrong with it).
+    return fingerprint(recipe) if isinstance(recipe, RECIPES) else recipe
 
 
 class TEModule(nn.Module):
